@@ -1,0 +1,54 @@
+"""The `pdcluster` command line. Each subcommand lives in its own module exposing
+`add_arguments(parser)` and `run(args) -> int`; heavy imports stay inside `run`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (group, name) -> module; group None means a top-level command.
+_COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
+    (None, "demo"): ("cluster.demo", "generate text from a built-in model and print timings"),
+    ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
+    ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
+    ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
+}
+_GROUPS = {"model": "built-in models", "bench": "benchmarks (not tests): ratios against same-run baselines"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving")
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for (group, name), (module_name, help_text) in _COMMANDS.items():
+        if group is None:
+            sub = top.add_parser(name, help=help_text)
+        else:
+            if group not in groups:
+                gp = top.add_parser(group, help=_GROUPS[group])
+                groups[group] = gp.add_subparsers(dest="subcommand", required=True)
+            sub = groups[group].add_parser(name, help=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:  # a command whose module is not built yet
+            if exc.name != module_name:
+                raise
+            sub.set_defaults(_run=lambda args, m=module_name: _missing(m))
+            continue
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def _missing(module_name: str) -> int:
+    print(f"pdcluster: this command is not available in this build ({module_name} missing)", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""gRPC front door: validation, tokenization, placement policies, admission, streaming.
+May import engine (tokenizer, block hashes) and proto; never the worker internals directly.
+"""
