@@ -1,0 +1,119 @@
+"""The page pool: who owns each KV page, which free pages still hold a cached prefix.
+
+- Every page has a reference count. A page with refcount 0 is free: either in the plain free
+  list (holds nothing worth keeping, handed out first) or in the cached free queue, an
+  OrderedDict used as an O(1) LRU list (evict from the front, append at the back, remove from
+  the middle on a cache hit).
+- A full page may carry a block hash (see block_hash.py) and stays findable by it after its
+  owner frees it, until it is handed out again (evicted) from the front of the free queue.
+  A hit compares the page's token ids, so a hash collision can never serve wrong KV.
+- Free pages count as free whether or not they hold cached data: after every request is
+  finished, `num_free_pages == num_pages`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class OutOfPagesError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _CachedPage:
+    block_hash: int
+    token_ids: tuple[int, ...]
+
+
+class BlockPool:
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self._free_plain: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pop() gives page 0 first
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._page_info: list[_CachedPage | None] = [None] * num_pages
+        self._by_hash: dict[int, int] = {}
+        self.queries = 0  # pages looked up in the prefix cache
+        self.hits = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._by_hash)
+
+    def allocate(self, n: int) -> list[int]:
+        """n pages with refcount 1, evicting the least recently freed cached pages first."""
+        if n > self.num_free_pages:
+            raise OutOfPagesError(f"need {n} pages, {self.num_free_pages} free")
+        pages = []
+        for _ in range(n):
+            if self._free_plain:
+                page = self._free_plain.pop()
+            else:
+                page, _ = self._free_cached.popitem(last=False)
+                self._evict(page)
+            self.ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference to each page. Pass a request's pages in reverse order, so that
+        its tail (the least shared part) is evicted before its head."""
+        for page in pages:
+            count = self.ref_counts[page] - 1
+            assert count >= 0, f"page {page} freed more often than allocated"
+            self.ref_counts[page] = count
+            if count == 0:
+                if self._page_info[page] is None:
+                    self._free_plain.append(page)
+                else:
+                    self._free_cached[page] = None
+
+    def touch(self, pages: Iterable[int]) -> None:
+        """Take one more reference to pages found in the prefix cache."""
+        for page in pages:
+            if self.ref_counts[page] == 0:
+                del self._free_cached[page]  # only cached pages are ever found again
+            self.ref_counts[page] += 1
+
+    def cache_page(self, page: int, block_hash: int, token_ids: Sequence[int]) -> None:
+        if not self.enable_prefix_caching or self._page_info[page] is not None:
+            return
+        if block_hash in self._by_hash:  # same content already cached in another page
+            return
+        self._page_info[page] = _CachedPage(block_hash, tuple(token_ids))
+        self._by_hash[block_hash] = page
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
+        """The page holding exactly these tokens under this chained hash, or None."""
+        self.queries += 1
+        page = self._by_hash.get(block_hash)
+        if page is None:
+            return None
+        info = self._page_info[page]
+        if info is None or info.token_ids != tuple(token_ids):
+            return None
+        self.hits += 1
+        return page
+
+    def reset_prefix_cache(self) -> None:
+        for page in list(self._by_hash.values()):
+            self._page_info[page] = None
+        self._by_hash.clear()
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+
+    def _evict(self, page: int) -> None:
+        info = self._page_info[page]
+        if info is not None:
+            self._page_info[page] = None
+            if self._by_hash.get(info.block_hash) == page:
+                del self._by_hash[info.block_hash]

@@ -1,0 +1,99 @@
+"""Load a Hugging Face checkpoint folder (single or sharded safetensors) into `DecoderLM`.
+
+Checkpoint names map onto the fused layout of engine.model: q/k/v projections concatenated into
+`qkv_proj`, gate/up into `gate_up_proj`. A missing or unexpected tensor, or a shape that does
+not match the config, fails the load with the tensor's name.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig, UnsupportedModelError
+from engine.model import DecoderLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise UnsupportedModelError(f"{model_dir}: only safetensors checkpoints are supported (found .bin/.pt files)")
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _fused_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the checkpoint tensors concatenated (dim 0) to make it."""
+    names: dict[str, list[str]] = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        names[dst + "self_attn.qkv_proj.weight"] = [attn + p + "_proj.weight" for p in "qkv"]
+        if cfg.qkv_bias:
+            names[dst + "self_attn.qkv_proj.bias"] = [attn + p + "_proj.bias" for p in "qkv"]
+        names[dst + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        if cfg.o_bias:
+            names[dst + "self_attn.o_proj.bias"] = [attn + "o_proj.bias"]
+        if cfg.qk_norm:
+            names[dst + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            names[dst + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        mlp = src + "mlp."
+        names[dst + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        names[dst + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
+        if cfg.mlp_bias:
+            names[dst + "mlp.gate_up_proj.bias"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
+            names[dst + "mlp.down_proj.bias"] = [mlp + "down_proj.bias"]
+        names[dst + "input_layernorm.weight"] = [src + "input_layernorm.weight"]
+        names[dst + "post_attention_layernorm.weight"] = [src + "post_attention_layernorm.weight"]
+    return names
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> DecoderLM:
+    model_dir = Path(model_dir)
+    tensors = read_tensors(model_dir)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
+    fused = _fused_names(cfg)
+    expected = {name for parts in fused.values() for name in parts}
+    missing = sorted(expected - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected)
+    if missing:
+        raise UnsupportedModelError(f"{model_dir}: checkpoint lacks tensors the config needs, e.g. {missing[:5]}")
+    if unexpected:
+        raise UnsupportedModelError(f"{model_dir}: checkpoint has tensors this engine does not use, e.g. {unexpected[:5]}")
+
+    with torch.device("meta"):
+        model = DecoderLM(cfg, dtype, max_positions)
+    state = {}
+    params = dict(model.named_parameters())
+    for ours, parts in fused.items():
+        value = torch.cat([tensors[p] for p in parts], dim=0) if len(parts) > 1 else tensors[parts[0]]
+        if tuple(value.shape) != tuple(params[ours].shape):
+            raise UnsupportedModelError(
+                f"{model_dir}: tensor {parts} has shape {tuple(value.shape)}, config implies {tuple(params[ours].shape)}"
+            )
+        state[ours] = value.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, max_positions, dtype).to(device)
+    return model.eval()

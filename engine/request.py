@@ -1,0 +1,135 @@
+"""A request inside the engine and its lifecycle.
+
+    WAITING --schedule--> RUNNING --(stop | length)--> FINISHED_*
+       ^                     |
+       +----- PREEMPTED <----+   (pages reclaimed; KV recomputed from all tokens later)
+    any state --abort--> FINISHED_ABORTED
+
+A request computes `all_token_ids` (prompt + generated) into KV, `num_computed_tokens` at a
+time. It samples whenever its computed tokens reach the end of `all_token_ids`, which covers
+the last prefill chunk, every decode step, and the recompute after a preemption (which
+re-prefills prompt and output together and then continues sampling where it stopped).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + max_tokens, capped by the model's context
+    eos_token_ids: tuple[int, ...] = ()
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None  # engine.detokenizer.IncrementalDetokenizer, or None for ids only
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_pages_registered: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
+    num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    logprobs: list | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    _emitted_tokens: int = 0
+    _pending_text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprobs=None) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.all_token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.monotonic()
+        if self.detokenizer is not None:
+            self._pending_text += self.detokenizer.add_token(token_id)
+            if self.detokenizer.stop_matched is not None:
+                self._finish(RequestStatus.FINISHED_STOPPED, self.detokenizer.stop_matched)
+                return
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(RequestStatus.FINISHED_STOPPED, None)
+        elif token_id in p.stop_token_ids:
+            self._finish(RequestStatus.FINISHED_STOPPED, token_id)
+        elif self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_total_tokens:
+            self._finish(RequestStatus.FINISHED_LENGTH, None)
+
+    def abort(self) -> None:
+        self._finish(RequestStatus.FINISHED_ABORTED, None)
+
+    def _finish(self, status: RequestStatus, stop_reason: str | int | None) -> None:
+        self.status = status
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.monotonic()
+        if self.detokenizer is not None and status != RequestStatus.FINISHED_ABORTED:
+            self._pending_text += self.detokenizer.finish()
+
+    def take_output(self) -> RequestOutput:
+        """Snapshot for the caller; `new_*` fields hold what was not reported before."""
+        new_ids = self.all_token_ids[self.num_prompt_tokens + self._emitted_tokens :]
+        self._emitted_tokens += len(new_ids)
+        new_text, self._pending_text = self._pending_text, ""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
+            text=self.detokenizer.text if self.detokenizer is not None else "",
+            finished=self.status.finished,
+            finish_reason=self.status.finish_reason,
+            stop_reason=self.stop_reason,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            logprobs=self.logprobs,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            metrics=self.metrics,
+        )
