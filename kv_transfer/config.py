@@ -1,0 +1,31 @@
+"""Transfer settings shared by all transports (plain dataclass; pydantic lives at the user's edge)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(slots=True, frozen=True)
+class TransferConfig:
+    host: str = DEFAULT_HOST                # the receiver's service binds here
+    port: int = 0                           # 0 = pick a free port
+    deadline_s: float = 30.0                # whole transfer of one request, from start/expect
+    handshake_timeout_s: float = 5.0        # connect + handshake + begin, per peer
+    chunk_bytes: int = 1 << 20              # grpc: payload of one chunk
+    max_inflight_chunks: int = 8            # grpc: unacknowledged chunks per stream
+    grpc_max_message_bytes: int = 64 << 20  # grpc: both directions, set explicitly on channel and server
+    poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
+    staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
+    allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
+        default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
+    server_threads: int = 8
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("TransferConfig.deadline_s and handshake_timeout_s must be > 0")
+        if self.chunk_bytes < 4096 or self.chunk_bytes + (1 << 16) > self.grpc_max_message_bytes:
+            raise ValueError("TransferConfig.chunk_bytes must be >= 4096 and leave 64 KiB headroom "
+                             "under grpc_max_message_bytes")
+        if self.max_inflight_chunks < 1:
+            raise ValueError("TransferConfig.max_inflight_chunks must be >= 1")

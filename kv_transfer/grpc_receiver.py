@@ -1,0 +1,114 @@
+"""gRPC transport, receiver side: chunks of token runs arrive on a bidirectional stream
+and are validated, then written straight into the request's destination pages.
+
+Lifecycle per request: expect() -> sender Handshake (once per sender) -> Begin (checks
+dst page ids against the allocation) -> Push stream of chunks, each acknowledged (the
+sender keeps at most `max_inflight_chunks` unacknowledged, which bounds memory) -> final
+notice -> DONE. A rejected chunk fails the request and ends the stream with a refusal;
+a stream that breaks or ends before its final notice fails the request; the deadline
+fails anything still open. Failed requests' pages go back through `on_release`.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from kv_transfer.base import KVReceiver, Ticker
+from kv_transfer.config import TransferConfig
+from kv_transfer.handshake import answer
+from kv_transfer.layout import KVLayout, KVPool, torch_dtype
+from kv_transfer.mapping import write_token_run
+from kv_transfer.receiver_book import ReleaseFn, TransferRejected
+from kv_transfer.service import serve
+from proto.pdcluster.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class GrpcReceiver(KVReceiver):
+    transport = "grpc"
+
+    def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None) -> None:
+        super().__init__(pool, config or TransferConfig(), on_release)
+        self._senders: dict[str, KVLayout] = {}
+        self._server, self._port = serve(self, self.config)
+        self._reaper = Ticker("kv-grpc-reaper", self._reap, 0.02)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self._port}"
+
+    def _reap(self) -> bool:
+        self.book.reap()
+        return False
+
+    # ---- service handlers -------------------------------------------------------------------
+    def handle_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
+        reply = answer(request, self.pool.spec, self.pool.layout, self.transport, self.receiver_id,
+                       self.config.allowed_dtype_conversions)
+        if reply.accepted:
+            self._senders[request.sender_id] = KVLayout.from_proto(request.layout)
+        else:
+            log.warning("kv handshake from %s refused: %s", request.sender_id, reply.reason)
+        return reply
+
+    def handle_begin(self, request: pb.BeginTransfer) -> pb.Ack:
+        layout = self._senders.get(request.sender_id)
+        if layout is None:
+            return pb.Ack(ok=False, reason=f"sender {request.sender_id!r} has not handshaken")
+        try:
+            self.book.begin(request.request_id, request.sender_id, layout, list(request.dst_page_ids))
+        except TransferRejected as exc:
+            return pb.Ack(ok=False, reason=str(exc))
+        return pb.Ack(ok=True)
+
+    def handle_cancel(self, request: pb.Abort) -> pb.Ack:
+        self.book.fail(request.request_id, f"cancelled by sender: {request.reason}")
+        return pb.Ack(ok=True)
+
+    def handle_push(self, items: Iterator[pb.PushItem], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
+        open_requests: set[str] = set()
+        try:
+            for item in items:
+                if item.HasField("chunk"):
+                    open_requests.add(item.chunk.request_id)
+                    ack = self._write_chunk(item.chunk)
+                else:
+                    ack = self._final(item.final)
+                    if ack.ok:
+                        open_requests.discard(item.final.request_id)
+                yield ack
+                if not ack.ok:
+                    return
+        except TransferRejected as exc:
+            yield pb.Ack(ok=False, reason=str(exc))
+        finally:
+            for rid in open_requests:
+                self.book.fail(rid, "sender stream ended before its final notice")
+
+    def _write_chunk(self, chunk: pb.PageChunk) -> pb.Ack:
+        inc = self.book.check_run(chunk.request_id, chunk.sender_id, chunk.layer, chunk.token_start,
+                                  chunk.num_tokens, list(chunk.dst_page_ids), len(chunk.data))
+        src = inc.senders[chunk.sender_id]
+        try:
+            data = torch.frombuffer(bytearray(chunk.data), dtype=torch_dtype(src.dtype))
+            data = data.view(2, chunk.num_tokens, src.num_heads, src.head_dim)
+            write_token_run(self.pool.layers[chunk.layer], inc.page_ids, self.pool.layout, chunk.token_start, data, src)
+        except Exception as exc:  # a malformed chunk must fail its request, not the server
+            self.book.abort_write(chunk.request_id, f"chunk could not be written: {exc}")
+            return pb.Ack(ok=False, reason=str(exc))
+        self.book.mark(chunk.request_id, chunk.sender_id, chunk.layer, chunk.token_start, chunk.num_tokens)
+        return pb.Ack(ok=True)
+
+    def _final(self, final: pb.FinalNotice) -> pb.Ack:
+        self.book.final(final.request_id, final.sender_id, final.first_token, final.prompt_len)
+        return pb.Ack(ok=True)
+
+    def close(self) -> None:
+        self._reaper.stop()
+        self._server.stop(grace=0.5).wait(2)
+        for rid in self.book.active_ids():
+            self.book.fail(rid, "receiver closed")

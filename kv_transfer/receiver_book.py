@@ -1,0 +1,255 @@
+"""The receiver's ledger: which destination pages belong to which request, what has
+arrived, and the checks every incoming message passes before a byte is written.
+
+Lifecycle of a request on the decode side:
+  expect() allocates nothing itself: the decode worker hands in the pages it allocated,
+  state BOOTSTRAPPING; begin() from each sender (after its handshake) -> WAITING;
+  check_run() + mark() per written run -> TRANSFERRING; all layers x tokens x held heads
+  written and a final notice in -> DONE; the worker then take()s the request (its pages
+  are the worker's to decode from). On FAILED (deadline, peer death, rejected message,
+  cancel) the ledger calls `on_release(request_id, pages)` once no write into those pages
+  is still in flight, so a late write can never land in a page the pool reused.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kv_transfer.layout import KVLayout, KVPool
+from kv_transfer.mapping import head_overlap, pages_of_run
+from kv_transfer.states import TransferState, TransferStatus
+
+log = logging.getLogger(__name__)
+
+ReleaseFn = Callable[[str, list[int]], None]
+
+
+class TransferRejected(ValueError):
+    """A sender's message failed validation; the request has been failed."""
+
+
+@dataclass(slots=True)
+class Incoming:
+    status: TransferStatus
+    page_ids: np.ndarray
+    num_tokens: int
+    deadline: float
+    covered: np.ndarray                      # bool [layers, tokens, held heads]
+    remaining: int
+    senders: dict[str, KVLayout] = field(default_factory=dict)
+    final_seen: bool = False
+    writers: int = 0                         # writes/reads into these pages still in flight
+    released: bool = False
+
+
+class ReceiverBook:
+    def __init__(self, pool: KVPool, on_release: ReleaseFn | None = None, history: int = 4096) -> None:
+        self.pool = pool
+        self.layout = pool.layout
+        self._on_release = on_release
+        self._lock = threading.RLock()
+        self._active: dict[str, Incoming] = {}
+        self._history: OrderedDict[str, TransferStatus] = OrderedDict()
+        self._history_len = history
+        self.before_release: Callable[[str], None] | None = None  # transport hook: cancel in-flight ops
+
+    # ---- allocation -------------------------------------------------------------------------
+    def expect(self, request_id: str, page_ids: list[int], num_tokens: int, deadline_s: float) -> TransferStatus:
+        pages = np.asarray(page_ids, dtype=np.int64)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        need = self.layout.pages_for(num_tokens)
+        if pages.ndim != 1 or len(pages) < need:
+            raise ValueError(f"page_ids: {num_tokens} tokens need {need} pages of {self.layout.page_size}, "
+                             f"got {len(pages)}")
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.pool.num_pages):
+            raise ValueError(f"page_ids must lie in [0, {self.pool.num_pages})")
+        if len(np.unique(pages)) != len(pages):
+            raise ValueError("page_ids must be distinct")
+        with self._lock:
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already being received")
+            busy = self.tracked_pages()
+            if busy and np.isin(pages, np.asarray(busy)).any():
+                raise ValueError("page_ids overlap pages of another request in flight")
+            shape = (self.layout.num_layers, num_tokens, self.layout.num_heads)
+            self._active[request_id] = Incoming(TransferStatus(request_id), pages, num_tokens,
+                                                time.monotonic() + deadline_s, np.zeros(shape, dtype=bool),
+                                                int(np.prod(shape)))
+            return self._active[request_id].status
+
+    def tracked_pages(self) -> list[int]:
+        with self._lock:
+            return [int(p) for inc in self._active.values() for p in inc.page_ids]
+
+    def get(self, request_id: str) -> Incoming | None:
+        with self._lock:
+            return self._active.get(request_id)
+
+    def status(self, request_id: str) -> TransferStatus | None:
+        with self._lock:
+            inc = self._active.get(request_id)
+            return inc.status if inc is not None else self._history.get(request_id)
+
+    # ---- validation of what senders send ----------------------------------------------------
+    def _reject(self, request_id: str, reason: str) -> TransferRejected:
+        log.warning("kv receive %s rejected: %s", request_id, reason)
+        self.fail(request_id, f"rejected: {reason}")
+        return TransferRejected(reason)
+
+    def _live(self, request_id: str) -> Incoming:
+        inc = self._active.get(request_id)
+        if inc is None:
+            log.warning("kv receive: message for unknown request %r dropped", request_id)
+            raise TransferRejected(f"unknown request {request_id!r}")
+        if inc.status.state.terminal:
+            raise TransferRejected(f"request {request_id!r} is already {inc.status.state.name}")
+        return inc
+
+    def begin(self, request_id: str, sender_id: str, sender_layout: KVLayout, dst_page_ids: list[int]) -> Incoming:
+        with self._lock:
+            inc = self._live(request_id)
+            claimed = np.asarray(dst_page_ids, dtype=np.int64)
+            outside = np.setdiff1d(claimed, inc.page_ids)
+            if len(outside):
+                raise self._reject(request_id, f"page ids {outside[:8].tolist()} are outside the request's allocation")
+            if len(claimed) != len(inc.page_ids) or not np.array_equal(claimed, inc.page_ids):
+                raise self._reject(request_id, "dst_page_ids differ from the published descriptor")
+            lo, hi = head_overlap(sender_layout, self.layout)
+            if lo >= hi:
+                raise self._reject(request_id, "sender holds none of the receiver's heads")
+            inc.senders[sender_id] = sender_layout
+            inc.status.advance(TransferState.WAITING)
+            return inc
+
+    def check_run(self, request_id: str, sender_id: str, layer: int, token_start: int, num_tokens: int,
+                  dst_page_ids: list[int] | None = None, nbytes: int | None = None) -> Incoming:
+        """Validate one run and count it as an in-flight write (end it with mark() or abort_write())."""
+        with self._lock:
+            inc = self._live(request_id)
+            src = inc.senders.get(sender_id)
+            if src is None:
+                raise self._reject(request_id, f"sender {sender_id!r} did not begin this request")
+            if not 0 <= layer < self.layout.num_layers:
+                raise self._reject(request_id, f"layer {layer} outside [0, {self.layout.num_layers})")
+            if num_tokens < 1 or token_start < 0 or token_start + num_tokens > inc.num_tokens:
+                raise self._reject(request_id, f"tokens [{token_start}, {token_start + num_tokens}) outside "
+                                               f"[0, {inc.num_tokens})")
+            if dst_page_ids is not None:
+                claimed = np.asarray(dst_page_ids, dtype=np.int64)
+                outside = np.setdiff1d(claimed, inc.page_ids)
+                if len(outside):
+                    raise self._reject(request_id, f"page ids {outside[:8].tolist()} are outside the "
+                                                   f"request's allocation")
+                expected = pages_of_run(inc.page_ids, self.layout.page_size, token_start, num_tokens)
+                if not np.array_equal(claimed, expected):
+                    raise self._reject(request_id, f"page ids {claimed[:8].tolist()} do not hold tokens "
+                                                   f"[{token_start}, {token_start + num_tokens})")
+            if nbytes is not None and nbytes != 2 * num_tokens * src.token_bytes:
+                raise self._reject(request_id, f"chunk carries {nbytes} bytes, expected "
+                                               f"{2 * num_tokens * src.token_bytes}")
+            lo, hi = head_overlap(src, self.layout)
+            h0, h1 = lo - self.layout.head_start, hi - self.layout.head_start
+            if inc.covered[layer, token_start:token_start + num_tokens, h0:h1].any():
+                raise self._reject(request_id, f"layer {layer} tokens [{token_start}, {token_start + num_tokens}) "
+                                               f"heads [{lo}, {hi}) written twice")
+            inc.writers += 1
+            return inc
+
+    def mark(self, request_id: str, sender_id: str, layer: int, token_start: int, num_tokens: int) -> None:
+        """A validated run has landed in the destination pages."""
+        with self._lock:
+            inc = self._active.get(request_id)
+            if inc is None:
+                return
+            inc.writers -= 1
+            if inc.status.state.terminal:
+                self._maybe_release(request_id, inc)
+                return
+            lo, hi = head_overlap(inc.senders[sender_id], self.layout)
+            cells = inc.covered[layer, token_start:token_start + num_tokens,
+                                lo - self.layout.head_start:hi - self.layout.head_start]
+            inc.remaining -= int(cells.size - np.count_nonzero(cells))
+            cells[...] = True
+            inc.status.advance(TransferState.TRANSFERRING)
+            self._maybe_done(inc)
+
+    def abort_write(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            inc = self._active.get(request_id)
+            if inc is not None:
+                inc.writers -= 1
+        self.fail(request_id, reason)
+
+    def final(self, request_id: str, sender_id: str, first_token: int, prompt_len: int) -> None:
+        with self._lock:
+            inc = self._live(request_id)
+            if sender_id not in inc.senders:
+                raise self._reject(request_id, f"final notice from {sender_id!r}, which did not begin")
+            if inc.final_seen and inc.status.first_token != first_token:
+                raise self._reject(request_id, "senders disagree on the first token")
+            inc.final_seen = True
+            inc.status.first_token, inc.status.prompt_len = first_token, prompt_len
+            self._maybe_done(inc)
+
+    def _maybe_done(self, inc: Incoming) -> None:
+        if inc.remaining == 0 and inc.final_seen and inc.writers == 0:
+            inc.status.advance(TransferState.DONE)
+
+    # ---- endings ----------------------------------------------------------------------------
+    def fail(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            inc = self._active.get(request_id)
+            if inc is None or not inc.status.fail(reason):
+                return
+            log.warning("kv receive %s FAILED: %s", request_id, reason)
+        if self.before_release is not None:
+            self.before_release(request_id)
+        with self._lock:
+            self._maybe_release(request_id, inc)
+
+    def _maybe_release(self, request_id: str, inc: Incoming) -> None:
+        if inc.released or inc.writers > 0:
+            return
+        inc.released = True
+        self._retire(request_id)
+        if self._on_release is not None:
+            self._on_release(request_id, inc.page_ids.tolist())
+
+    def _retire(self, request_id: str) -> None:
+        inc = self._active.pop(request_id)
+        self._history[request_id] = inc.status
+        while len(self._history) > self._history_len:
+            self._history.popitem(last=False)
+
+    def take(self, request_id: str) -> TransferStatus:
+        """Hand a DONE request's pages to the worker: the ledger stops tracking them."""
+        with self._lock:
+            inc = self._active.get(request_id)
+            if inc is None or inc.status.state != TransferState.DONE:
+                raise ValueError(f"request {request_id!r} is not DONE")
+            self._retire(request_id)
+            return inc.status
+
+    def reap(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [rid for rid, inc in self._active.items()
+                       if not inc.status.state.terminal and now > inc.deadline]
+            stuck = [(rid, inc) for rid, inc in self._active.items() if inc.status.state.terminal]
+        for rid in expired:
+            self.fail(rid, "deadline exceeded")
+        with self._lock:
+            for rid, inc in stuck:
+                if inc.status.state == TransferState.FAILED:
+                    self._maybe_release(rid, inc)
+
+    def active_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._active)

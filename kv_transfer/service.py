@@ -1,0 +1,145 @@
+"""The receiver's gRPC service (handshake, begin, chunk stream, cancel) and the sender's
+side of it (PeerChannel). Both bind/connect to explicit hosts (127.0.0.1 by default) and
+set gRPC's message size limits explicitly."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Protocol
+
+import grpc
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.handshake import HandshakeError
+from proto.pdcluster.v1 import kv_transfer_pb2 as pb
+from proto.pdcluster.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ServedReceiver(Protocol):
+    def handle_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
+    def handle_begin(self, request: pb.BeginTransfer) -> pb.Ack: ...
+    def handle_push(self, items: Iterator[pb.PushItem], context: grpc.ServicerContext) -> Iterator[pb.Ack]: ...
+    def handle_cancel(self, request: pb.Abort) -> pb.Ack: ...
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, receiver: ServedReceiver) -> None:
+        self._receiver = receiver
+
+    def Handshake(self, request, context):
+        return self._receiver.handle_handshake(request)
+
+    def Begin(self, request, context):
+        return self._receiver.handle_begin(request)
+
+    def Push(self, request_iterator, context):
+        return self._receiver.handle_push(request_iterator, context)
+
+    def Cancel(self, request, context):
+        return self._receiver.handle_cancel(request)
+
+
+def _options(config: TransferConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", config.grpc_max_message_bytes),
+            ("grpc.max_receive_message_length", config.grpc_max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+
+
+def serve(receiver: ServedReceiver, config: TransferConfig) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads,
+                                                    thread_name_prefix="kv-recv"), options=_options(config))
+    pb_grpc.add_KVTransferServicer_to_server(_Servicer(receiver), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind the KV transfer service to {config.host}:{config.port}")
+    server.start()
+    return server, port
+
+
+class PeerChannel:
+    """A sender's connection to one receiver endpoint, handshaken once and then reused."""
+
+    def __init__(self, endpoint: str, config: TransferConfig) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self.channel = grpc.insecure_channel(endpoint, options=_options(config))
+        self.stub = pb_grpc.KVTransferStub(self.channel)
+        self.reply: pb.HandshakeReply | None = None
+        self.lock = threading.Lock()
+
+    def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.config.handshake_timeout_s)
+            reply = self.stub.Handshake(request, timeout=self.config.handshake_timeout_s)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            raise HandshakeError(f"handshake with {self.endpoint} failed: {_describe(exc)}") from exc
+        if not reply.accepted:
+            raise HandshakeError(f"handshake with {self.endpoint} refused: {reply.reason}")
+        self.reply = reply
+        return reply
+
+    def begin(self, request: pb.BeginTransfer) -> None:
+        try:
+            ack = self.stub.Begin(request, timeout=self.config.handshake_timeout_s)
+        except grpc.RpcError as exc:
+            raise HandshakeError(f"begin with {self.endpoint} failed: {_describe(exc)}") from exc
+        if not ack.ok:
+            raise HandshakeError(f"begin refused by {self.endpoint}: {ack.reason}")
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        try:
+            self.stub.Cancel(pb.Abort(request_id=request_id, reason=reason), timeout=1.0)
+        except grpc.RpcError:
+            pass  # best effort: the receiver's own deadline frees its pages anyway
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, grpc.FutureTimeoutError):
+        return "endpoint unreachable (connect timed out)"
+    return str(exc)
+
+
+class PeerSet:
+    """PeerChannels by endpoint, created and handshaken on first use."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self._peers: dict[str, PeerChannel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str, make_request) -> PeerChannel:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                peer = self._peers[endpoint] = PeerChannel(endpoint, self.config)
+        with peer.lock:
+            if peer.reply is None:
+                try:
+                    peer.handshake(make_request())
+                except HandshakeError:
+                    with self._lock:
+                        self._peers.pop(endpoint, None)
+                    peer.close()
+                    raise
+        return peer
+
+    def drop(self, endpoint: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(endpoint, None)
+        if peer is not None:
+            peer.close()
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
