@@ -10,7 +10,7 @@ from engine.builtin.presets import ModelSpec
 from engine.builtin.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 # Bump when the bytes written for the same (arch, preset, seed) change, so caches rebuild.
-BUILTIN_FORMAT_VERSION = 1
+BUILTIN_FORMAT_VERSION = 2
 
 
 def hf_config(spec: ModelSpec, seed: int) -> dict[str, object]:

@@ -50,6 +50,9 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    # "gpt2": ByteLevel regex pre-tokenizer; "qwen": NFC + Qwen2 split regex, which is what
+    # transformers' Qwen2Tokenizer rebuilds regardless of tokenizer.json (see tokenizer.py).
+    tokenizer_style: str = "gpt2"
     # llama3 rope scaling: long-context frequencies are stretched relative to this length.
     rope_original_max_position: int | None = None
 
@@ -98,13 +101,13 @@ def model_spec(arch: str, preset: str) -> ModelSpec:
         return ModelSpec(
             hf_class="Qwen2ForCausalLM", model_type="qwen2", head_dim=default_head_dim,
             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            qkv_bias=True, qk_norm=False, **common,
+            qkv_bias=True, qk_norm=False, tokenizer_style="qwen", **common,
         )
     # qwen3: like Qwen3-0.6B, head_dim is twice hidden/heads, so q_proj widens the stream.
     return ModelSpec(
         hf_class="Qwen3ForCausalLM", model_type="qwen3", head_dim=2 * default_head_dim,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        qkv_bias=False, qk_norm=True, **common,
+        qkv_bias=False, qk_norm=True, tokenizer_style="qwen", **common,
     )
 
 

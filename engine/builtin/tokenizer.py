@@ -3,6 +3,12 @@ up to exactly `vocab_size`, saved as the three files `AutoTokenizer` reads.
 
 Ids: 0 <|endoftext|> (eos), 1 <|bos|>, 2 <|pad|>, 3 <|im_start|>, 4 <|im_end|>, 5..260 the
 bytes 0..255, then merged tokens. Nothing is added on encode, so encode/decode round-trips.
+
+Vocab and merges depend only on vocab_size. The pre-tokenizer depends on the arch's style:
+"gpt2" is plain ByteLevel; "qwen" is NFC + the Qwen2 split regex + ByteLevel without regex,
+because transformers 5 loads model_type qwen2 with Qwen2Tokenizer, which rebuilds exactly
+that pipeline from our vocab and ignores the one in tokenizer.json. Writing it ourselves
+keeps `tokenizers.Tokenizer.from_file` and `AutoTokenizer` in agreement.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from engine.builtin.bpe import synthetic_merges, train_merges
 from engine.builtin.corpus import TRAINING_TEXT
@@ -21,6 +27,11 @@ from engine.builtin.special_tokens import (
 
 NUM_BYTE_TOKENS = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + NUM_BYTE_TOKENS
+TOKENIZER_STYLES = ("gpt2", "qwen")
+_QWEN_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def _gpt2_bytes_to_unicode() -> list[str]:
@@ -56,21 +67,30 @@ def build_vocab(vocab_size: int) -> tuple[tuple[str, ...], tuple[tuple[str, str]
     return tuple(tokens), tuple(merges)
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, style: str = "gpt2") -> Tokenizer:
+    if style not in TOKENIZER_STYLES:
+        raise ValueError(f"tokenizer style must be one of {', '.join(TOKENIZER_STYLES)}; got {style!r}")
     tokens, merges = build_vocab(vocab_size)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if style == "qwen":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> list[Path]:
+def write_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int, style: str = "gpt2") -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
     paths = [out_dir / "tokenizer.json", out_dir / "tokenizer_config.json", out_dir / "special_tokens_map.json"]
-    paths[0].write_text(build_tokenizer(vocab_size).to_str(pretty=True) + "\n", encoding="utf-8")
+    paths[0].write_text(build_tokenizer(vocab_size, style).to_str(pretty=True) + "\n", encoding="utf-8")
     special_map = {
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,

@@ -46,7 +46,7 @@ def write_checkpoint(out_dir: str | os.PathLike[str], arch: str = "llama", prese
     count = write_weights(out / "model.safetensors", spec, seed)
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; a cache is shared
     assert count == param_count(spec)
-    write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings)
+    write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, spec.tokenizer_style)
     return WriteResult(out, count, tuple(out / name for name in CHECKPOINT_FILES))
 
 
