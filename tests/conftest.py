@@ -1,0 +1,54 @@
+"""Shared fixtures: built-in tiny checkpoints, transformers reference outputs, and the leak check
+every engine test gets for free (after each test, free KV pages equal total pages)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+# Every LLM a test builds through `make_llm` (or registers) is checked after each test.
+_LIVE_ENGINES: list = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _builtin_cache(tmp_path_factory):
+    # Built-in checkpoints go into a per-session folder, so a run never depends on ~/.cache.
+    os.environ.setdefault("PDCLUSTER_CACHE", str(tmp_path_factory.mktemp("pdcluster-cache")))
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Path of the built-in tiny checkpoint for an arch: tiny_model('qwen3')."""
+    from engine.builtin import ensure_builtin
+
+    return lambda arch="llama": ensure_builtin(arch=arch, preset="tiny")
+
+
+def register_engine(llm):
+    _LIVE_ENGINES.append(llm)
+    return llm
+
+
+@pytest.fixture
+def make_llm():
+    from engine import LLM
+
+    def factory(model, **kwargs):
+        return register_engine(LLM(model, **kwargs))
+
+    return factory
+
+
+@pytest.fixture(autouse=True)
+def _no_page_leaks():
+    yield
+    leaks = [
+        f"{llm.model_dir.name}: {llm.num_free_pages}/{llm.num_pages} pages free, unfinished={llm.has_unfinished_requests()}"
+        for llm in _LIVE_ENGINES
+        if llm.num_free_pages != llm.num_pages or llm.has_unfinished_requests()
+    ]
+    assert not leaks, "KV pages leaked: " + "; ".join(leaks)
