@@ -186,6 +186,18 @@ class ReceiverBook:
             if inc is not None:
                 inc.writers -= 1
         self.fail(request_id, reason)
+        self.end_write(request_id, counted=False)
+
+    def end_write(self, request_id: str, counted: bool = True) -> None:
+        """A write stopped without landing (cancelled); release pages if the request failed."""
+        with self._lock:
+            inc = self._active.get(request_id)
+            if inc is None:
+                return
+            if counted:
+                inc.writers -= 1
+            if inc.status.state == TransferState.FAILED:
+                self._maybe_release(request_id, inc)
 
     def final(self, request_id: str, sender_id: str, first_token: int, prompt_len: int) -> None:
         with self._lock:
