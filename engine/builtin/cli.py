@@ -3,6 +3,7 @@ checkpoint and print what was written. torch/tokenizers load only inside `run`."
 from __future__ import annotations
 
 import argparse
+import sys
 
 from engine.builtin.presets import ARCHS, PRESETS
 
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = write_checkpoint(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
     except ValueError as exc:
-        print(f"pdcluster model make-tiny: {exc}")
+        print(f"pdcluster model make-tiny: {exc}", file=sys.stderr)
         return 2
     spec = model_spec(args.arch, args.preset)
     print(f"wrote {spec.hf_class} ({args.arch}/{args.preset}, seed {args.seed}) to {result.path} "
