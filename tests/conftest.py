@@ -17,7 +17,9 @@ _LIVE_ENGINES: list = []
 def _builtin_cache(tmp_path_factory):
     # Built-in checkpoints go into a per-session folder, so a run never depends on ~/.cache.
     os.environ.setdefault("PDCLUSTER_CACHE", str(tmp_path_factory.mktemp("pdcluster-cache")))
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
+    # threads contending with other processes made steps ~10x slower.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
