@@ -151,3 +151,20 @@ def test_logprobs_are_returned_per_token(llm):
     assert len(out.logprobs) == 5
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert lp.token_id == tok and lp.rank == 1 and len(lp.top) == 3 and lp.top[0][0] == tok
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(model_dir, make_llm, dtype):
+    import torch
+
+    half = make_llm(model_dir, dtype=dtype)
+    assert half.runner.kv_caches[0].dtype == getattr(torch, dtype)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
+    prompts = random_prompts([20, 50], 2048, seed=8)
+    ref = make_llm(model_dir).generate(prompts, params)
+    got = half.generate(prompts, params)
+    for r, g in zip(ref, got):
+        ref_lp = dict(r.logprobs[0].top)
+        # The half-precision choice is among float32's top 5, with a logprob close to float32's.
+        assert g.token_ids[0] in ref_lp
+        assert abs(ref_lp[g.token_ids[0]] - g.logprobs[0].logprob) < 0.1
