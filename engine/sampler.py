@@ -5,9 +5,9 @@ logprobs. Must not know about requests, the scheduler or the KV cache.
 
 Reproducibility contract: a row's token depends only on its own logits, its own params and
 its own generator, never on which other rows share the batch. So every filter is expressed
-as a per-row logit *threshold* (ties at the cut are kept, whatever order a sort put them in),
-the draw walks the kept tokens in vocabulary order, and each row consumes exactly one
-uniform from its own generator per step.
+as a per-row *threshold* (top-k on logits, top-p and min-p on probabilities; ties at the
+cut are all kept, whatever order a sort put them in), the draw walks the kept tokens in
+vocabulary order, and each row consumes exactly one uniform from its own generator per step.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-# Top-p needs the tokens sorted by probability. A full sort of V=32k is ~1 ms per row on a
-# CPU; the nucleus almost always fits in the top few hundred, so sort only those and fall
-# back to the full row when the nucleus reaches the end of the candidates.
-_TOP_P_CANDIDATES = 256
+# Top-p needs the tokens sorted by probability. A full sort of V=32k costs milliseconds per
+# row on a CPU, while the nucleus usually fits in the top few hundred: sort only those, and
+# widen to the next size (then the full row) for rows whose nucleus reaches the last one.
+_TOP_P_CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -72,16 +72,19 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
 
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sampled = _sample_rows(
-                logits.index_select(0, rows),
-                [params[i] for i in random_rows],
-                [generators[i] for i in random_rows],
-            )
-            token_ids = token_ids.index_copy(0, rows, sampled)
+        if len(random_rows) == batch:
+            token_ids = _sample_rows(logits, params, generators)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            if random_rows:
+                rows = torch.tensor(random_rows, device=logits.device)
+                sampled = _sample_rows(
+                    logits.index_select(0, rows),
+                    [params[i] for i in random_rows],
+                    [generators[i] for i in random_rows],
+                )
+                token_ids = token_ids.index_copy(0, rows, sampled)
         ids = token_ids.tolist()
         lps: list[TokenLogprobs | None] = [None] * batch
         if want_logprobs:
@@ -95,82 +98,92 @@ def _sample_rows(
     """Sample one token per row of float32 `logits` [R, V]; every row is non-greedy."""
     rows, vocab = logits.shape
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    x = logits / temps.unsqueeze(1)
+    temps = [p.temperature for p in params]
+    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev).unsqueeze(1)
 
-    # Every filter becomes a per-row logit threshold: keep x >= thr.
-    thr = x.new_full((rows,), -math.inf)
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_ps = [p.top_p for p in params]
+    topk_ids: torch.Tensor | None = None
     if any(k < vocab for k in ks):
+        # Keep logits >= the k-th largest; rows without top-k get a -inf threshold.
         kmax = max(k for k in ks if k < vocab)
-        kth = torch.topk(x, kmax, dim=-1, sorted=True).values
-        k_idx = torch.tensor([min(k, kmax) - 1 for k in ks], device=dev)
-        thr_k = kth.gather(1, k_idx.unsqueeze(1)).squeeze(1)
-        limited = torch.tensor([k < vocab for k in ks], device=dev)
-        thr = torch.where(limited, thr_k, thr)
+        kth, topk_ids = torch.topk(x, kmax, dim=-1, sorted=True)
+        thr_k = kth.gather(1, torch.tensor([min(k, kmax) - 1 for k in ks], device=dev).unsqueeze(1))
+        limited = torch.tensor([k < vocab for k in ks], device=dev).unsqueeze(1)
+        x = x.masked_fill(limited & (x < thr_k), -math.inf)
+    # Work in probabilities from here: exp() over -inf entries is a slow path on CPUs, the
+    # fused softmax is not, and top-p and min-p are both defined on probabilities.
+    probs = torch.softmax(x, dim=-1)
+
+    # Top-p and min-p become per-row probability thresholds: keep probs >= thr.
+    thr: torch.Tensor | None = None
+    top_ps = [p.top_p for p in params]
     if any(tp < 1.0 for tp in top_ps):
-        thr = torch.maximum(thr, _top_p_threshold(x, thr, ks, top_ps))
+        thr = _top_p_threshold(probs, ks, top_ps, topk_ids)
     min_ps = [p.min_p for p in params]
     if any(mp > 0.0 for mp in min_ps):
-        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); renormalising after
-        # top-k/top-p does not change the ratio, so the order of the filters is immaterial here.
-        log_mp = torch.tensor([math.log(mp) if mp > 0 else -math.inf for mp in min_ps], device=dev)
-        thr = torch.maximum(thr, x.amax(dim=-1) + log_mp)
+        # Renormalising after top-p does not change prob / max_prob, so this is min-p applied
+        # after top-p without a second softmax.
+        mp = torch.tensor(min_ps, device=dev) * probs.amax(dim=-1)
+        thr = mp if thr is None else torch.maximum(thr, mp)
+    if thr is not None:
+        probs = probs.masked_fill(probs < thr.unsqueeze(1), 0.0)
 
-    probs = torch.softmax(x.masked_fill(x < thr.unsqueeze(1), -math.inf), dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.cat([torch.rand(1, device=dev, generator=g) for g in generators])
     # right=True: a dropped token has zero mass, so its cdf equals its predecessor's and it
     # can never be the first entry strictly above the target.
     target = (u * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # u * total can round up to total (p ~ 2**-24): take the top token rather than run off the end.
-    return torch.where(picked < vocab, picked, x.argmax(dim=-1))
+    overflow = picked >= vocab
+    if overflow.any():
+        # u * total rounded up to total (p ~ 2**-24): take the top token, not one past the end.
+        picked = torch.where(overflow, probs.argmax(dim=-1), picked)
+    return picked
 
 
 def _top_p_threshold(
-    x: torch.Tensor, thr_k: torch.Tensor, ks: list[int], top_ps: list[float]
+    probs: torch.Tensor, ks: list[int], top_ps: list[float], topk_ids: torch.Tensor | None
 ) -> torch.Tensor:
-    """Per-row logit of the last token inside the nucleus (-inf for rows with top_p == 1).
+    """Per-row probability of the last token inside the nucleus (0 for rows with top_p == 1).
 
-    Probabilities are renormalised over the top-k survivors. The cumulative sum over
-    descending probabilities is the same sequence whichever order ties were sorted in, and
-    its prefix does not depend on how many candidates were taken, so the candidate shortcut
-    and the full sort give the same threshold.
+    The cumulative sum over descending probabilities is the same sequence whichever order
+    ties were sorted in, and its prefix does not depend on how many candidates were taken,
+    so every candidate size, and the full sort, give the same threshold. `topk_ids` are the
+    top-k pass's candidates, already holding every surviving token of rows limited by top-k.
     """
-    rows, vocab = x.shape
-    dev = x.device
-    out = x.new_full((rows,), -math.inf)
+    rows, vocab = probs.shape
+    dev = probs.device
     active_l = [i for i, tp in enumerate(top_ps) if tp < 1.0]
     active = torch.tensor(active_l, device=dev)
-    xa = x.index_select(0, active)
-    masked = xa.masked_fill(xa < thr_k.index_select(0, active).unsqueeze(1), -math.inf)
-    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    pa = probs.index_select(0, active)
     top_p = torch.tensor([top_ps[i] for i in active_l], device=dev).unsqueeze(1)
 
     # Rows limited by top-k need no more candidates than their k.
-    n_cand = min(vocab, max([_TOP_P_CANDIDATES] + [ks[i] for i in active_l if ks[i] < vocab]))
-    cand = torch.topk(masked, n_cand, dim=-1, sorted=True).values
-    value, n_keep = _nucleus_cut(cand, top_p, lse)
-    if n_cand < vocab:
-        # The nucleus reached the last candidate, so it may continue past it: redo those rows.
-        redo = (n_keep >= n_cand).nonzero().squeeze(1)
-        if redo.numel():
-            full = torch.sort(masked.index_select(0, redo), dim=-1, descending=True).values
-            redo_value, _ = _nucleus_cut(full, top_p.index_select(0, redo), lse.index_select(0, redo))
-            value = value.index_copy(0, redo, redo_value)
-    return out.index_copy(0, active, value)
-
-
-def _nucleus_cut(
-    desc: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logit of the last kept token, kept count) for logits sorted descending."""
-    mass = torch.exp(desc - lse)
-    before = torch.cumsum(mass, dim=-1) - mass
-    n_keep = (before < top_p).sum(dim=-1)  # a prefix, and >= 1 because top_p > 0
-    return desc.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1), n_keep
+    first = max([_TOP_P_CANDIDATES[0]] + [ks[i] for i in active_l if ks[i] < vocab])
+    sizes = sorted({min(n, vocab) for n in (first, *_TOP_P_CANDIDATES[1:]) if n >= first} | {vocab})
+    value = probs.new_zeros(len(active_l))
+    pending = torch.arange(len(active_l), device=dev)
+    gathered = topk_ids is not None and all(ks[i] < vocab for i in active_l)
+    if gathered:
+        sizes = [topk_ids.shape[1]] + [n for n in sizes if n > topk_ids.shape[1]]
+    for stage, n_cand in enumerate(sizes):
+        rows_p = pa.index_select(0, pending)
+        if gathered and stage == 0:
+            # Sorting the gathered survivors is cheaper than another top-k over the vocabulary.
+            ids = topk_ids.index_select(0, active).index_select(0, pending)
+            desc = torch.sort(rows_p.gather(1, ids), dim=-1, descending=True).values
+        elif n_cand < vocab:
+            desc = torch.topk(rows_p, n_cand, dim=-1, sorted=True).values
+        else:
+            desc = torch.sort(rows_p, dim=-1, descending=True).values
+        before = torch.cumsum(desc, dim=-1) - desc
+        n_keep = (before < top_p.index_select(0, pending)).sum(dim=-1)  # >= 1 as top_p > 0
+        value = value.index_copy(0, pending, desc.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1))
+        # The nucleus reached the last candidate, so it may continue past it: widen those rows.
+        pending = pending[n_keep >= n_cand]
+        if not pending.numel():
+            break
+    return probs.new_zeros(rows).index_copy(0, active, value)
 
 
 def _fill_logprobs(
