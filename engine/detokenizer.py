@@ -3,8 +3,8 @@
 Owns turning generated token ids into text that is safe to stream: never half a UTF-8
 character, never any part of a stop string. Must not import the scheduler or the sampler.
 
-Per token: decode two short windows of recent ids, `ids[prefix:read]` (already emitted) and
-`ids[prefix:]` (with the new tokens); the new text is the difference. Windows are re-anchored
+Per token: decode two short windows of recent ids, the context (tokens already turned into
+text) and the context plus the new tokens; the new text is the difference. Windows are re-anchored
 after every emission, so each call decodes O(1) tokens whatever the output length. The first
 window starts a few tokens into the prompt so the first generated token decodes in context
 (leading spaces, merges across the prompt boundary).
@@ -30,7 +30,6 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        self._skip_special = skip_special_tokens
         # The Rust tokenizer decodes without the Python wrapper's per-call overhead and without
         # clean_up_tokenization_spaces, which would rewrite text across window boundaries.
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -47,11 +46,15 @@ class IncrementalDetokenizer:
         self._stops: tuple[str, ...] = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
 
-        # Only the ids from `prefix` on are ever decoded again; older ones are dropped.
+        # The window: `_ids[:_read]` decoded to `_window_text` and is already accounted for;
+        # `_ids[_read:]` are new tokens not yet turned into text. Older ids are dropped.
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix = 0
         self._read = len(self._ids)
         self._window_text = self._decode_ids(self._ids) if self._ids else ""
+        if self._window_text.endswith(_REPLACEMENT):
+            # The prompt ends inside a character (a prompt given as ids): the output's first bytes
+            # would complete a character that belongs to the prompt, so decode the output alone.
+            self._ids, self._read, self._window_text = [], 0, ""
 
         self._held = ""  # decoded text that might still be the start of a stop string
         self._pieces: list[str] = []
@@ -76,7 +79,7 @@ class IncrementalDetokenizer:
             return ""
         self.output_token_ids.append(token_id)
         self._ids.append(token_id)
-        new_text = self._decode_ids(self._ids[self._prefix :])
+        new_text = self._decode_ids(self._ids)
         # A trailing U+FFFD means the last token ended inside a multi-byte character: wait for
         # the rest. Equal length means the token decoded to nothing (a skipped special token).
         if len(new_text) <= len(self._window_text) or new_text.endswith(_REPLACEMENT):
@@ -92,17 +95,15 @@ class IncrementalDetokenizer:
         delta = ""
         if self._read < len(self._ids):
             # Whatever is still undecoded ends the output; decode it as is, as a full decode would.
-            new_text = self._decode_ids(self._ids[self._prefix :])
+            new_text = self._decode_ids(self._ids)
             delta = new_text[len(self._window_text) :]
             self._advance_window()
         return self._release(delta, final=True)
 
     def _advance_window(self) -> None:
-        self._prefix = self._read
+        # The tokens just turned into text become the left context of the next window.
+        del self._ids[: self._read]
         self._read = len(self._ids)
-        del self._ids[: self._prefix]  # keep the id list as short as the window
-        self._read -= self._prefix
-        self._prefix = 0
         self._window_text = self._decode_ids(self._ids)
 
     def _release(self, delta: str, final: bool) -> str:

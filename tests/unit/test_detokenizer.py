@@ -202,3 +202,22 @@ def test_random_streams_match_a_token_by_token_reference(tokenizer):
         assert det.stop_matched == matched, text
         assert "".join(pieces) == det.text == expected, text
         assert all("\ufffd" not in p for p in pieces), text
+
+
+def test_prompt_ending_inside_a_character(tokenizer):
+    # A prompt given as ids may stop mid-character; the output must still decode on its own.
+    e_acute = list("\u00e9".encode())
+    prompt = enc(tokenizer, "ok ") + e_acute[:1]
+    ids = e_acute[1:] + enc(tokenizer, " x\u00f6")
+    det, pieces = stream(tokenizer, ids, prompt=prompt)
+    assert "".join(pieces) == det.text == tokenizer.decode(ids)
+
+
+def test_random_ids_including_invalid_utf8_match_a_full_decode(tokenizer):
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    for _ in range(300):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 25))]
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        det, pieces = stream(tokenizer, ids, prompt=prompt)
+        assert "".join(pieces) == det.text == tokenizer.decode(ids, skip_special_tokens=True), ids
