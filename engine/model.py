@@ -7,6 +7,8 @@ q/k/v and gate/up projections are fused into one matmul each (weights concatenat
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,12 +92,16 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attn: AttentionBackend, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+    def forward(self, input_ids, positions, attn: AttentionBackend, kv_caches: list[torch.Tensor],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token. `on_layer(i)` runs as
+        soon as layer i's K/V are in the cache (the prefill worker starts sending them)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, attn, kv_cache)
+            if on_layer is not None:
+                on_layer(i)
         return self.norm(x)
 
     @torch.inference_mode()

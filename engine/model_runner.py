@@ -88,11 +88,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[Request, tuple[int, object]]:
-        """Run one step; returns the sampled (token id, logprobs) for each request that samples."""
+    def execute(self, batch: ScheduledBatch, on_layer=None) -> dict[Request, tuple[int, object]]:
+        """Run one step; returns the sampled (token id, logprobs) for each request that samples.
+        `on_layer(i)` is called once layer i's K/V for this step are written."""
         t = self.prepare(batch)
         self.attn.plan(t.layout)
-        hidden = self.model(t.input_ids, t.positions, self.attn, self.kv_caches)
+        hidden = self.model(t.input_ids, t.positions, self.attn, self.kv_caches, on_layer)
         if not t.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[t.sample_rows])

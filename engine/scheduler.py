@@ -52,6 +52,16 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Join a request whose prompt KV is already in its pages (filled by a KV transfer):
+        it has `num_computed_tokens` set and its next token appended, and decodes from the
+        next step on. Preempting it later recomputes its KV here, like any other request."""
+        assert request.pages and request.num_computed_tokens == request.num_tokens - 1
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = 0
+        self.running.append(request)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,5 +146,10 @@ class Scheduler:
                 changed.append(req)
                 if req.status.finished:
                     self.running.remove(req)
-                    self.kv.free(req)
+                    self.retire(req)
         return changed
+
+    def retire(self, req: Request) -> None:
+        """A finished request leaves the batch. Its pages go back to the pool (full pages stay
+        in the prefix cache); a prefill worker overrides this to hold them until sent."""
+        self.kv.free(req)
