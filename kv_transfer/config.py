@@ -20,6 +20,9 @@ class TransferConfig:
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
         default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
     server_threads: int = 8
+    # UCX opens its own listeners; "lo" keeps them on loopback (UCX reads only its environment,
+    # so this is applied to UCX_NET_DEVICES before the first agent starts, unless already set).
+    ucx_net_devices: str = "lo"
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.handshake_timeout_s <= 0:

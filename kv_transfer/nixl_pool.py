@@ -8,6 +8,7 @@ lists (`layer * num_pages + page`), so per-request set-up is a few vectorized op
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import numpy as np
@@ -46,9 +47,13 @@ class PeerPool:
 
 
 class NixlPoolAgent:
-    def __init__(self, name: str, pool: KVPool, staging_bytes: int = 0) -> None:
+    def __init__(self, name: str, pool: KVPool, staging_bytes: int = 0, ucx_net_devices: str = "lo") -> None:
+        if ucx_net_devices:
+            os.environ.setdefault("UCX_NET_DEVICES", ucx_net_devices)
         api = nixl_api()
-        conf = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+        # no NIXL progress thread: our own poll loop drives progress (check_xfer_state /
+        # get_new_notifs), which keeps idle agents from spinning a core each
+        conf = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.api, self.name, self.pool = api, name, pool
         self.agent = api.nixl_agent(name, conf)
@@ -65,6 +70,23 @@ class NixlPoolAgent:
             self._regs.append(self.agent.register_memory(self.staging))
         self._staging_lists: dict[int, object] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Release prepared lists and registrations so the agent (and its UCX worker) goes away."""
+        handles = [self.local_pages, *self._staging_lists.values()]
+        self._staging_lists.clear()
+        for handle in handles:
+            try:
+                self.agent.release_dlist_handle(handle)
+            except Exception:
+                pass
+        for reg in self._regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._regs.clear()
+        self.agent = None
 
     def local_indices(self, layer: int, pages: np.ndarray) -> np.ndarray:
         return (layer * self.pool.num_pages + pages).astype(np.int32)

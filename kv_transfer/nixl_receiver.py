@@ -61,13 +61,15 @@ class NixlReceiver(KVReceiver):
 
     def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None) -> None:
         super().__init__(pool, config or TransferConfig(), on_release)
-        self.nixl = NixlPoolAgent(self.receiver_id, pool, self.config.staging_bytes)
+        self.nixl = NixlPoolAgent(self.receiver_id, pool, self.config.staging_bytes,
+                                  self.config.ucx_net_devices)
         self._peers: dict[str, PeerPool] = {}                         # sender_id -> its pool
         self._sources: dict[tuple[str, str], np.ndarray] = {}         # (request, sender) -> src pages
         self._queue: deque[_Read] = deque()                           # reads not yet posted
         self._inflight: list[_Read] = []
         self._staged: _Read | None = None                             # the staging buffer's one user
         self._cancelled: deque[str] = deque()
+        self.setup_s: dict[str, float] = {}  # per request: index arrays + prepared-xfer creation (bench)
         self.book.before_release = self._cancelled.append
         self._server, self._port = serve(self, self.config)
         self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s)
@@ -192,6 +194,7 @@ class NixlReceiver(KVReceiver):
         peer = self._peers[read.sender_id]
         notif = pb.NixlNotice(layer_read=pb.LayerRead(request_id=rid, layer=read.layer)).SerializeToString() \
             if read.last else b""
+        t0 = time.perf_counter()
         try:
             if read.src_pages is None:
                 src = self._sources[(rid, read.sender_id)]
@@ -204,6 +207,9 @@ class NixlReceiver(KVReceiver):
                 remote = peer.indices(read.layer, read.src_pages)
                 self._staged = read
             read.handle = self.nixl.agent.make_prepped_xfer("READ", local_list, local, peer.dlist, remote, notif)
+            if len(self.setup_s) > 4096:
+                self.setup_s.clear()
+            self.setup_s[rid] = self.setup_s.get(rid, 0.0) + time.perf_counter() - t0
             if self.nixl.agent.transfer(read.handle) == "ERR":
                 raise RuntimeError("transfer() returned ERR")
         except Exception as exc:
@@ -285,3 +291,10 @@ class NixlReceiver(KVReceiver):
         while (self._inflight or self._cancelled) and time.monotonic() < deadline:
             time.sleep(0.01)
         self._progress.stop()
+        for peer in self._peers.values():
+            try:
+                self.nixl.agent.release_dlist_handle(peer.dlist)
+            except Exception:
+                pass
+        self._peers.clear()
+        self.nixl.close()

@@ -34,7 +34,7 @@ class NixlSender(KVSender):
     def __init__(self, pool: KVPool, config: TransferConfig | None = None,
                  on_release: SenderReleaseFn | None = None) -> None:
         super().__init__(pool, config or TransferConfig(), on_release)
-        self.nixl = NixlPoolAgent(self.sender_id, pool)
+        self.nixl = NixlPoolAgent(self.sender_id, pool, 0, self.config.ucx_net_devices)
         self._peers = PeerSet(self.config)
         self._agents: dict[str, str] = {}             # endpoint -> receiver agent name
         self._dest_agents: dict[str, list[str]] = {}  # request -> receiver agent per destination
@@ -127,3 +127,4 @@ class NixlSender(KVSender):
             self.book.fail(rid, "sender closed")
         self._progress.stop()
         self._peers.close()
+        self.nixl.close()

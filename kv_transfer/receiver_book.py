@@ -43,7 +43,7 @@ class Incoming:
     covered: np.ndarray                      # bool [layers, tokens, held heads]
     remaining: int
     senders: dict[str, KVLayout] = field(default_factory=dict)
-    final_seen: bool = False
+    finals: set[str] = field(default_factory=set)  # senders whose final notice arrived
     writers: int = 0                         # writes/reads into these pages still in flight
     released: bool = False
 
@@ -204,14 +204,15 @@ class ReceiverBook:
             inc = self._live(request_id)
             if sender_id not in inc.senders:
                 raise self._reject(request_id, f"final notice from {sender_id!r}, which did not begin")
-            if inc.final_seen and inc.status.first_token != first_token:
+            if inc.finals and inc.status.first_token != first_token:
                 raise self._reject(request_id, "senders disagree on the first token")
-            inc.final_seen = True
+            inc.finals.add(sender_id)
             inc.status.first_token, inc.status.prompt_len = first_token, prompt_len
             self._maybe_done(inc)
 
     def _maybe_done(self, inc: Incoming) -> None:
-        if inc.remaining == 0 and inc.final_seen and inc.writers == 0:
+        # every sender that began must have sent its final notice (TP senders each send one)
+        if inc.remaining == 0 and inc.writers == 0 and inc.finals and inc.finals >= inc.senders.keys():
             inc.status.advance(TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------------------

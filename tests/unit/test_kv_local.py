@@ -1,0 +1,183 @@
+"""kv_transfer in one process: the local transport end to end, the layout mapping against
+a token-by-token reference, the receiver's validation, states, handshake and descriptors."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kv_transfer import (CompatInfo, DestinationDescriptor, KVLayout, KVPool, ModelSpec, TransferConfig,
+                         TransferRejected, TransferState, TransferStatus)
+from kv_transfer.handshake import answer, make_request
+from kv_transfer.local import LocalHub, LocalReceiver, LocalSender
+from kv_transfer.mapping import read_token_run, write_token_run
+
+SPEC = ModelSpec("tiny-kv", num_layers=3, num_kv_heads=4, head_dim=8)
+T = 70
+
+
+def pool(page_size=16, head_start=0, num_heads=4, dtype="float32", pages=24, seed=None) -> KVPool:
+    p = KVPool.allocate(SPEC, KVLayout(3, page_size, head_start, num_heads, 8, dtype), pages)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for t in p.layers:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return p
+
+
+def reference_tokens(p: KVPool, pages: list[int], n: int) -> torch.Tensor:
+    """Token by token, straight from the layout rule: token t is in pages[t // ps] at t % ps."""
+    ps = p.layout.page_size
+    return torch.stack([torch.stack([layer[pages[t // ps], :, t % ps] for t in range(n)], dim=1)
+                        for layer in p.layers])  # [layers, 2, n, heads, D]
+
+
+def transfer(src: KVPool, dsts: list[KVPool], n=T, config=None):
+    hub = LocalHub()
+    released = []
+    receivers = [LocalReceiver(d, config, on_release=lambda r, pg: released.append(r), hub=hub) for d in dsts]
+    sender = LocalSender(src, config, hub=hub)
+    dst_pages = [list(range(d.num_pages - 1, d.num_pages - 1 - d.layout.pages_for(n), -1)) for d in dsts]
+    descs = [r.expect("r1", pg, n) for r, pg in zip(receivers, dst_pages)]
+    src_pages = list(range(2, 2 + src.layout.pages_for(n)))
+    assert sender.start("r1", descs, src_pages, n).state == TransferState.WAITING
+    for layer in range(3):
+        sender.send_layer("r1", layer)
+    sender.finish("r1", 5, n)
+    return sender, receivers, src_pages, dst_pages, released
+
+
+@pytest.mark.parametrize("src_ps,dst_ps", [(16, 16), (16, 64), (64, 16), (8, 48)])
+def test_local_pages_exact_across_page_sizes(src_ps, dst_ps):
+    src, dst = pool(src_ps, seed=1), pool(dst_ps)
+    sender, (recv,), sp, (dp,), _ = transfer(src, [dst])
+    assert recv.status("r1").state == TransferState.DONE and sender.status("r1").state == TransferState.DONE
+    assert torch.equal(reference_tokens(dst, dp, T), reference_tokens(src, sp, T))
+    recv.take("r1")
+    assert recv.tracked_pages() == [] and sender.tracked_pages() == []
+
+
+def test_local_head_split_and_dtype():
+    src = pool(16, seed=2)
+    a, b = pool(32, 0, 2, "bfloat16"), pool(16, 2, 2, "bfloat16")
+    sender, (ra, rb), sp, (pa, pb_), _ = transfer(src, [a, b])
+    want = reference_tokens(src, sp, T).to(torch.bfloat16)
+    assert torch.equal(reference_tokens(a, pa, T), want[:, :, :, 0:2])
+    assert torch.equal(reference_tokens(b, pb_, T), want[:, :, :, 2:4])
+    assert sender.status("r1").state == TransferState.DONE
+
+
+def test_mapping_partial_runs_match_reference():
+    src, dst = pool(16, seed=3), pool(64)
+    sp, dp = [5, 1, 7, 3, 9], [4, 2]
+    for start, n in [(0, 7), (7, 30), (37, 33)]:
+        for li in range(3):
+            data = read_token_run(src.layers[li], np.array(sp), src.layout, start, n)
+            write_token_run(dst.layers[li], np.array(dp), dst.layout, start, data, src.layout)
+    assert torch.equal(reference_tokens(dst, dp, 70), reference_tokens(src, sp, 70))
+
+
+def test_receiver_validates_every_run():
+    dst = pool(16)
+    hub = LocalHub()
+    released = []
+    recv = LocalReceiver(dst, on_release=lambda r, pg: released.append(r), hub=hub)
+    recv.expect("r1", [3, 4, 5, 6, 7], T)
+    book = recv.book
+    book.begin("r1", "s", pool(16).layout, [3, 4, 5, 6, 7])
+    with pytest.raises(TransferRejected, match="outside the request's allocation"):
+        book.check_run("r1", "s", 0, 0, 16, dst_page_ids=[11])
+    assert recv.status("r1").state == TransferState.FAILED and released == ["r1"]
+    recv.expect("r2", [3, 4, 5, 6, 7], T)
+    book.begin("r2", "s", pool(16).layout, [3, 4, 5, 6, 7])
+    for bad, match in [(dict(layer=3), "layer 3"), (dict(token_start=60, num_tokens=16), "outside"),
+                       (dict(nbytes=10), "bytes")]:
+        recv.expect(f"x{match}", [10, 11, 12, 13, 14], T)
+        book.begin(f"x{match}", "s", pool(16).layout, [10, 11, 12, 13, 14])
+        args = dict(layer=0, token_start=0, num_tokens=16, nbytes=None) | bad
+        with pytest.raises(TransferRejected, match=match):
+            book.check_run(f"x{match}", "s", args["layer"], args["token_start"], args["num_tokens"],
+                           nbytes=args["nbytes"])
+    book.check_run("r2", "s", 0, 0, 16)
+    book.mark("r2", "s", 0, 0, 16)
+    with pytest.raises(TransferRejected, match="written twice"):
+        book.check_run("r2", "s", 0, 0, 16)
+    with pytest.raises(TransferRejected, match="unknown request"):
+        book.check_run("nope", "s", 0, 0, 16)
+    assert recv.tracked_pages() == []
+    with pytest.raises(ValueError, match="page_ids must lie"):
+        recv.expect("big", [0, 99, 1, 2, 3], T)
+    with pytest.raises(ValueError, match="need 5 pages"):
+        recv.expect("few", [0, 1], T)
+
+
+def test_deadline_fails_and_releases():
+    dst = pool(16)
+    released = []
+    recv = LocalReceiver(dst, on_release=lambda r, pg: released.append((r, pg)), hub=LocalHub())
+    recv.expect("slow", [0, 1, 2, 3, 4], T, deadline_s=0.1)
+    status = recv.wait("slow", 2)
+    assert status.state == TransferState.FAILED and "deadline" in status.error
+    assert released == [("slow", [0, 1, 2, 3, 4])]
+    recv.close()
+
+
+def test_states_are_ordered_and_monotonic():
+    assert TransferState.FAILED < TransferState.BOOTSTRAPPING < TransferState.WAITING < TransferState.TRANSFERRING \
+        < TransferState.DONE
+    st = TransferStatus("r")
+    assert st.advance(TransferState.TRANSFERRING) and not st.advance(TransferState.WAITING)
+    assert st.advance(TransferState.DONE) and not st.fail("late")
+    assert st.state == TransferState.DONE and set(st.entered) == {TransferState.BOOTSTRAPPING,
+                                                                   TransferState.TRANSFERRING, TransferState.DONE}
+    assert min(TransferState.DONE, TransferState.FAILED) == TransferState.FAILED
+
+
+def test_handshake_refuses_mismatch_naming_the_field():
+    lay = pool(16).layout
+    other = ModelSpec("tiny-kv", num_layers=3, num_kv_heads=4, head_dim=16)
+    req = make_request(other, KVLayout(3, 16, 0, 4, 16, "float32"), "grpc", "s")
+    reply = answer(req, SPEC, lay, "grpc", "r", TransferConfig().allowed_dtype_conversions)
+    assert not reply.accepted and "compat.head_dim" in reply.reason
+    forged = make_request(SPEC, lay, "grpc", "s")
+    forged.compat.hash = "0" * 64
+    assert "hash" in answer(forged, SPEC, lay, "grpc", "r", frozenset()).reason
+    ok = answer(make_request(SPEC, lay, "grpc", "s"), SPEC, lay, "grpc", "r", frozenset())
+    assert ok.accepted
+    wrong_transport = answer(make_request(SPEC, lay, "nixl", "s"), SPEC, lay, "grpc", "r", frozenset())
+    assert "transport" in wrong_transport.reason
+
+
+def test_descriptor_round_trips_as_protobuf():
+    lay = pool(16).layout
+    d = DestinationDescriptor("r1", "nixl", "127.0.0.1:5", (3, 1, 2), 40, lay, CompatInfo.of(SPEC, lay))
+    assert DestinationDescriptor.from_bytes(d.to_bytes()) == d
+
+
+def test_config_and_layout_validation_name_the_field():
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        TransferConfig(chunk_bytes=10)
+    with pytest.raises(ValueError, match="page_size"):
+        KVLayout(3, 0, 0, 4, 8, "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout(3, 16, 0, 4, 8, "int7")
+
+
+def test_local_sender_refused_by_incompatible_receiver_moves_nothing():
+    hub = LocalHub()
+    dst = pool(16)
+    recv = LocalReceiver(dst, hub=hub)
+    other = ModelSpec("other", 3, 4, 8)
+    src = KVPool.allocate(other, KVLayout(3, 16, 0, 4, 8, "float32"), 8)
+    sender = LocalSender(src, hub=hub)
+    desc = recv.expect("r1", [0, 1, 2, 3, 4], T)
+    status = sender.start("r1", [desc], [0, 1, 2, 3, 4], T)
+    assert status.state == TransferState.FAILED and "model_id" in status.error
+    assert sender.tracked_pages() == []
+    assert all(int(t.count_nonzero()) == 0 for t in dst.layers)
+    time.sleep(0)  # receiver keeps waiting for a compatible sender until its deadline
+    assert recv.status("r1").state == TransferState.BOOTSTRAPPING
+    recv.cancel("r1")
+    assert recv.tracked_pages() == []
