@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -48,6 +49,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
         self.num_preemptions = 0
+        # Called instead of freeing a finished request's pages when set (a prefill worker
+        # holds them until the KV transfer is done).
+        self.on_retire: Callable[[Request], None] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -151,5 +155,8 @@ class Scheduler:
 
     def retire(self, req: Request) -> None:
         """A finished request leaves the batch. Its pages go back to the pool (full pages stay
-        in the prefix cache); a prefill worker overrides this to hold them until sent."""
-        self.kv.free(req)
+        in the prefix cache), unless `on_retire` takes them over."""
+        if self.on_retire is not None:
+            self.on_retire(req)
+        else:
+            self.kv.free(req)
