@@ -12,6 +12,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
+    ("bench", "workers"): ("bench.workers_bench", "prefill + decode workers vs colocated: second-token latency, ITL"),
 }
 _GROUPS = {"model": "built-in models", "bench": "benchmarks (not tests): ratios against same-run baselines"}
 
