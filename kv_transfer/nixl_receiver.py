@@ -133,7 +133,9 @@ class NixlReceiver(KVReceiver):
         while self._cancelled:
             self._cancel(self._cancelled.popleft())
         self.book.reap()
-        return busy
+        # with no NIXL progress thread, UCX moves bytes inside check_xfer_state: keep polling
+        # while reads are in flight instead of sleeping
+        return busy or bool(self._inflight)
 
     def _on_notice(self, peer_name: str, msg: pb.NixlNotice) -> None:
         kind = msg.WhichOneof("kind")
