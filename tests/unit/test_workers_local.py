@@ -227,3 +227,38 @@ def test_transfer_failure_policy(tiny_model, make_llm, policy):
         assert decode.load().num_reprefills == 1
     assert_no_pages_held(prefill, decode)
     prefill.close(), decode.close()
+
+
+def test_async_fronts_stream_tokens(tiny_model, make_llm):
+    """The asyncio fronts: loop threads own the workers; tokens stream per request."""
+    import asyncio
+
+    from decode_worker import AsyncDecodeWorker
+    from prefill_worker import AsyncPrefillWorker
+
+    model = tiny_model("llama")
+    prefill, decode = make_pair(model, decode_pages=8)
+    pf, dc = AsyncPrefillWorker(prefill), AsyncDecodeWorker(decode)
+    prompts = random_prompts([30, 90, 90, 90], 256, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+
+    async def one(rid, prompt):
+        adm = await dc.admit(rid, prompt, params)
+        adm = await dc.wait_admitted(rid)  # the last one waits for pages
+        first = await pf.submit(PrefillTask(rid, prompt, params, [adm.descriptor]))
+        outs = [o async for o in dc.stream(rid)]
+        assert outs[0].new_token_ids == [first.first_token] and outs[0].source == TokenSource.PREFILL_WORKER
+        return [t for o in outs for t in o.new_token_ids]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(one(f"r{i}", p) for i, p in enumerate(prompts))), 60)
+
+    try:
+        got = asyncio.run(main())
+        assert got == [o.token_ids for o in make_llm(model, page_size=16, num_pages=64).generate(prompts, params)]
+        deadline = time.monotonic() + 10
+        while prefill.has_work and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        pf.close(), dc.close()
+    assert_no_pages_held(prefill, decode)
