@@ -122,10 +122,12 @@ class DecodeWorker:
 
     def _try_allocate(self, entry: _Entry) -> bool:
         req, kv = entry.req, self.core.kv
-        need = -(-req.num_prompt_tokens // kv.page_size)
-        if kv.num_free_pages - need < self.config.reserve_pages:
+        if kv.num_free_pages - self._pages_for(req) < self.config.reserve_pages:
             return False
         return kv.allocate(req, req.num_prompt_tokens)
+
+    def _pages_for(self, req: Request) -> int:
+        return -(-req.num_prompt_tokens // self.core.kv.page_size)
 
     def _expect(self, entry: _Entry) -> Admission:
         req = entry.req
@@ -171,7 +173,23 @@ class DecodeWorker:
     # ---- the step -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self._entries or self._releasing or self._pending or self.core.scheduler.has_unfinished)
+        """Whether `step` would do something now. Requests waiting for KV or for pages are not
+        work: a loop with nothing else to do should idle briefly instead of spinning (on a
+        shared CPU a spinning decode loop takes the core the prefill process needs)."""
+        if self._pending or self.core.scheduler.has_unfinished or not self._released.empty():
+            return True
+        if self._queued and self._pages_for(self._queued[0].req) <= self.core.kv.num_free_pages - self.config.reserve_pages:
+            return True
+        return any(self._arrived(rid) for rid in self._waiting_kv)
+
+    @property
+    def has_requests(self) -> bool:
+        """Any request (or page release) still open, at any stage."""
+        return bool(self._entries or self._releasing or self.has_work)
+
+    def _arrived(self, request_id: str) -> bool:
+        status = self.receiver.status(request_id)
+        return status is not None and status.state == TransferState.DONE
 
     def step(self) -> StepResult:
         """Transfer bookkeeping (releases, page queue, arrived KV) plus one engine step."""
@@ -205,13 +223,12 @@ class DecodeWorker:
     def _join_arrived(self, outputs: list[DecodeOutput]) -> None:
         sched = self.core.scheduler
         for rid, entry in list(self._waiting_kv.items()):
-            status = self.receiver.status(rid)
-            if status is None or status.state != TransferState.DONE:
+            if not self._arrived(rid):
                 continue
             if len(sched.running) >= sched.max_num_seqs:
                 return
             del self._waiting_kv[rid]
-            self.receiver.take(rid)
+            status = self.receiver.take(rid)
             req = entry.req
             if status.prompt_len != req.num_prompt_tokens or status.first_token is None:
                 self.core.kv.free(req)

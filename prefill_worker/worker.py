@@ -95,7 +95,14 @@ class PrefillWorker:
     # ---- the step -------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.core.scheduler.has_unfinished or bool(self._held)
+        """Whether `step` would do something now (held pages waiting for their release are
+        not work: a loop should idle rather than spin while transfers finish)."""
+        return self.core.scheduler.has_unfinished or not self._released.empty()
+
+    @property
+    def num_transferring(self) -> int:
+        """Requests whose pages are still pinned by their transfer."""
+        return len(self._sending)
 
     def step(self) -> list[PrefillResult]:
         """One engine step plus transfer bookkeeping; returns the first tokens sampled in it."""

@@ -100,7 +100,7 @@ class Cluster:
             while True:
                 reply = proc.call("load")
                 load = reply["load"]
-                if load["free_pages"] == load["total_pages"] and not reply["has_work"]:
+                if load["free_pages"] == load["total_pages"] and reply["settled"]:
                     break
                 assert time.monotonic() < deadline, f"{side} still holds pages: {reply}"
                 time.sleep(0.05)

@@ -82,7 +82,9 @@ class Host:
 
     def cmd_load(self):
         load = dataclasses.asdict(self.worker.load())
-        return {"load": load, "has_work": self.worker.has_work,
+        w = self.worker
+        settled = not w.has_requests if self.role == "decode" else not (w.has_work or w.num_transferring)
+        return {"load": load, "settled": settled,
                 "computed_prompt_tokens": self.worker.core.num_computed_prompt_tokens}
 
     # ---- stepping -------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class Driver:
         arrivals = dict(arrivals or {})
         deadline = time.monotonic() + timeout_s
         step = 0
-        while arrivals or len(self.finished) < len(self.prompts) or self.prefill.has_work:
+        while arrivals or len(self.finished) < len(self.prompts) or self.prefill.num_transferring:
             assert time.monotonic() < deadline, f"hung: finished {self.finished}, stages " \
                 f"{ {r: self.decode.stage(r) for r in self.prompts} }"
             for args in arrivals.pop(step, []):
@@ -178,7 +178,7 @@ def test_cancel_in_each_stage(tiny_model):
     for _ in range(5):
         d.step()
     assert_no_pages_held(prefill, decode)
-    assert not decode.has_work and not prefill.has_work
+    assert not decode.has_requests and not prefill.has_work and not prefill.num_transferring
     prefill.close(), decode.close()
 
 
@@ -257,7 +257,7 @@ def test_async_fronts_stream_tokens(tiny_model, make_llm):
         got = asyncio.run(main())
         assert got == [o.token_ids for o in make_llm(model, page_size=16, num_pages=64).generate(prompts, params)]
         deadline = time.monotonic() + 10
-        while prefill.has_work and time.monotonic() < deadline:
+        while prefill.num_transferring and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         pf.close(), dc.close()
