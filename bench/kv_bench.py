@@ -1,12 +1,14 @@
 """`pdcluster bench kv`: KV transfer bandwidth between two processes, against baselines
 measured in the same run (single-thread memcpy, one raw NIXL READ of one contiguous
-buffer, a raw loopback TCP socket). Payload: Llama-3-8B-shaped KV (32 layers, 8 kv heads,
-head dim 128, bf16, page 16) for a 4,096-token prompt (~512 MiB). The receiver lives in
-this process, the sender in a spawned child; figures are best of `--repeats`."""
+buffer, a raw loopback TCP socket, a bare gRPC stream of 1 MiB bytes messages with no page
+handling). Payload: Llama-3-8B-shaped KV (32 layers, 8 kv heads, head dim 128, bf16, page
+16) for a 4,096-token prompt (~512 MiB). The receiver lives in this process, the sender in
+a spawned child; figures are medians of `--repeats` (each sample is in `samples`)."""
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -20,7 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is kept")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--only", default="", help="comma-separated subset of memcpy,raw_nixl,raw_tcp,raw_grpc,"
+                                                   "nixl,grpc,layerwise (default: all)")
+    parser.add_argument("--grpc-chunk-bytes", type=int, default=None, help="TransferConfig.chunk_bytes (grpc)")
+    parser.add_argument("--grpc-inflight", type=int, default=None, help="TransferConfig.max_inflight_chunks (grpc)")
 
 
 # ---- child process (sender side and raw baselines) ------------------------------------------
@@ -33,6 +39,7 @@ def _child(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
 
     torch.set_num_threads(1)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # as TransferConfig does: UCX on loopback
+    from kv_transfer.config import TransferConfig
     from kv_transfer.descriptor import DestinationDescriptor
     from kv_transfer.layout import KVLayout, KVPool, ModelSpec
     from kv_transfer.registry import create_sender
@@ -46,7 +53,7 @@ def _child(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
         if cmd == "exit":
             break
         if cmd == "sender":
-            senders[a[0]] = create_sender(a[0], pool)
+            senders[a[0]] = create_sender(a[0], pool, TransferConfig(**a[1]))
             conn.send(True)
         elif cmd == "start":
             transport, rid, desc, pages, tokens = a
@@ -71,6 +78,17 @@ def _child(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
             agent.register_memory(buf)
             raw["nixl"] = (agent, buf)
             conn.send((agent.get_agent_metadata(), buf.data_ptr(), a[0]))
+        elif cmd == "raw_grpc":
+            import grpc
+
+            port, nbytes, msg_bytes, repeats = a
+            payload = np.ones(msg_bytes, dtype=np.uint8).tobytes()
+            opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
+                push = channel.stream_unary("/bench.RawBytes/Push")  # bytes in, bytes out: no protobuf
+                for _ in range(repeats):
+                    push(iter([payload] * (nbytes // msg_bytes)), timeout=300)
+            conn.send(True)
         elif cmd == "raw_tcp":
             port, nbytes, repeats = a
             payload = np.ones(nbytes, dtype=np.uint8)
@@ -84,19 +102,23 @@ def _child(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
 
 
 # ---- baselines measured here ------------------------------------------------------------------
-def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def _memcpy_s(nbytes: int, repeats: int) -> list[float]:
     import torch
 
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best = float("inf")
+    out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def _raw_nixl_gbps(conn, nbytes: int, repeats: int) -> float:
+def _raw_nixl_s(conn, nbytes: int, repeats: int) -> list[float]:
     import numpy as np
     import torch
 
@@ -112,20 +134,51 @@ def _raw_nixl_gbps(conn, nbytes: int, repeats: int) -> float:
     name = name.decode() if isinstance(name, bytes) else name
     local = agent.get_xfer_descs(np.array([[dst.data_ptr(), nbytes, 0]], dtype=np.uint64), "DRAM")
     remote = agent.get_xfer_descs(np.array([[addr, nbytes, 0]], dtype=np.uint64), "DRAM")
-    best = float("inf")
+    out = []
     for _ in range(repeats):
         handle = agent.initialize_xfer("READ", local, remote, name)
         t0 = time.perf_counter()
         state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)
-        best = min(best, time.perf_counter() - t0)
+        out.append(time.perf_counter() - t0)
         assert state == "DONE", state
         agent.release_xfer_handle(handle)
-    return nbytes / best / 1e9
+    return out
 
 
-def _raw_tcp_gbps(conn, nbytes: int, repeats: int) -> float:
+def _raw_grpc_s(conn, nbytes: int, repeats: int, msg_bytes: int = 1 << 20) -> list[float]:
+    """A bare gRPC client stream of `msg_bytes` bytes messages (identity serializers, no page
+    handling), timed here from the first message to the last: what Python gRPC itself costs."""
+    from concurrent import futures
+
+    import grpc
+
+    out: list[float] = []
+
+    def push(messages, context):
+        t0, got = None, 0
+        for m in messages:
+            t0 = t0 or time.perf_counter()
+            got += len(m)
+        out.append(time.perf_counter() - t0)
+        return b""
+
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.RawBytes", {"Push": grpc.stream_unary_rpc_method_handler(push)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        conn.send(("raw_grpc", port, nbytes, msg_bytes, repeats))
+        conn.recv()
+    finally:
+        server.stop(0)
+    return out
+
+
+def _raw_tcp_s(conn, nbytes: int, repeats: int) -> list[float]:
     import socket
 
     import numpy as np
@@ -136,7 +189,7 @@ def _raw_tcp_gbps(conn, nbytes: int, repeats: int) -> float:
         conn.send(("raw_tcp", server.getsockname()[1], nbytes, repeats))
         sock, _ = server.accept()
         buf = memoryview(np.empty(nbytes, dtype=np.uint8))
-        best = float("inf")
+        out = []
         with sock:
             for _ in range(repeats):
                 got, t0 = 0, None
@@ -144,20 +197,24 @@ def _raw_tcp_gbps(conn, nbytes: int, repeats: int) -> float:
                     n = sock.recv_into(buf[got:], min(8 << 20, nbytes - got))
                     t0 = t0 or time.perf_counter()  # timed from the first byte
                     got += n
-                best = min(best, time.perf_counter() - t0)
+                out.append(time.perf_counter() - t0)
     conn.recv()
-    return nbytes / best / 1e9
+    return out
 
 
-def _paged(conn, transport: str, pool, tokens: int, repeats: int, compute_s: float = 0.0) -> tuple[float, list]:
-    """Seconds (best of repeats) from the sender's first layer to DONE here, and the receivers' rids."""
+def _paged(conn, transport: str, pool, tokens: int, repeats: int, compute_s: float = 0.0,
+           config_kw: dict | None = None) -> tuple[list, list]:
+    """Seconds per repeat from the sender's first layer to DONE here, and (nixl) each request's
+    descriptor set-up seconds."""
+    from kv_transfer.config import TransferConfig
     from kv_transfer.registry import create_receiver
 
-    recv = create_receiver(transport, pool)
-    conn.send(("sender", transport))
+    config_kw = config_kw or {}
+    recv = create_receiver(transport, pool, TransferConfig(**config_kw))
+    conn.send(("sender", transport, config_kw))
     conn.recv()
     pages = list(range(pool.layout.pages_for(tokens)))
-    best, rids = float("inf"), []
+    times, rids = [], []
     try:
         for i in range(repeats):
             rid = f"{transport}-{compute_s}-{i}"
@@ -172,11 +229,11 @@ def _paged(conn, transport: str, pool, tokens: int, repeats: int, compute_s: flo
             assert conn.recv() == "DONE"
             recv.take(rid)
             rids.append(rid)
-            best = min(best, elapsed)
+            times.append(elapsed)
         setup = [recv.setup_s[r] for r in rids] if transport == "nixl" else []
     finally:
         recv.close()
-    return best, setup
+    return times, setup
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,25 +259,52 @@ def run(args: argparse.Namespace) -> int:
     child = ctx.Process(target=_child, args=(child_conn, spec_kw, layout_kw, num_pages), daemon=True)
     child.start()
     r = max(1, args.repeats)
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    want = (lambda name: not only or name in only)  # noqa: E731
+    samples: dict[str, list[float]] = {}
     try:
-        res = {"tokens": args.tokens, "payload_bytes": nbytes, "layers": args.layers}
-        res["memcpy_gbps"] = _memcpy_gbps(nbytes, r)
-        res["raw_nixl_gbps"] = _raw_nixl_gbps(conn, nbytes, r)
-        res["raw_tcp_gbps"] = _raw_tcp_gbps(conn, nbytes, r)
-        nixl_s, setup = _paged(conn, "nixl", pool, args.tokens, r)
-        res["nixl_gbps"] = nbytes / nixl_s / 1e9
-        res["descriptor_setup_ms"] = min(setup) * 1e3 if setup else None
-        grpc_s, _ = _paged(conn, "grpc", pool, args.tokens, r)
-        res["grpc_gbps"] = nbytes / grpc_s / 1e9
-        layer_s = nixl_s / args.layers  # one layer's transfer time
-        e2e, _ = _paged(conn, "nixl", pool, args.tokens, r, compute_s=layer_s)
-        res["layer_transfer_ms"] = layer_s * 1e3
-        res["layerwise_e2e_ms"] = e2e * 1e3
-        res["layerwise_overlap"] = e2e / (args.layers * layer_s + layer_s)
-        res["nixl_vs_raw_nixl"] = res["nixl_gbps"] / res["raw_nixl_gbps"]
-        res["grpc_vs_raw_tcp"] = res["grpc_gbps"] / res["raw_tcp_gbps"]
-        res["nixl_vs_memcpy"] = res["nixl_gbps"] / res["memcpy_gbps"]
+        res: dict = {"tokens": args.tokens, "payload_bytes": nbytes, "layers": args.layers, "repeats": r}
+        # baselines and ours interleaved in one run, so background load hits them alike
+        if want("memcpy"):
+            samples["memcpy_s"] = _memcpy_s(nbytes, r)
+            res["memcpy_gbps"] = _gbps(nbytes, samples["memcpy_s"])
+        if want("raw_nixl"):
+            samples["raw_nixl_s"] = _raw_nixl_s(conn, nbytes, r)
+            res["raw_nixl_gbps"] = _gbps(nbytes, samples["raw_nixl_s"])
+        if want("nixl") or want("layerwise"):
+            samples["nixl_s"], setup = _paged(conn, "nixl", pool, args.tokens, r)
+            res["nixl_gbps"] = _gbps(nbytes, samples["nixl_s"])
+            samples["descriptor_setup_s"] = setup
+            res["descriptor_setup_ms"] = statistics.median(setup) * 1e3 if setup else None
+        if want("raw_tcp"):
+            samples["raw_tcp_s"] = _raw_tcp_s(conn, nbytes, r)
+            res["raw_tcp_gbps"] = _gbps(nbytes, samples["raw_tcp_s"])
+        if want("raw_grpc"):
+            samples["raw_grpc_s"] = _raw_grpc_s(conn, nbytes, r)
+            res["raw_grpc_gbps"] = _gbps(nbytes, samples["raw_grpc_s"])
+        if want("grpc"):
+            grpc_kw = {k: v for k, v in (("chunk_bytes", args.grpc_chunk_bytes),
+                                         ("max_inflight_chunks", args.grpc_inflight)) if v is not None}
+            if grpc_kw:
+                res["grpc_config"] = grpc_kw
+            samples["grpc_s"], _ = _paged(conn, "grpc", pool, args.tokens, r, config_kw=grpc_kw)
+            res["grpc_gbps"] = _gbps(nbytes, samples["grpc_s"])
+        if want("layerwise"):
+            layer_s = statistics.median(samples["nixl_s"]) / args.layers  # one layer's transfer time
+            samples["layerwise_e2e_s"], _ = _paged(conn, "nixl", pool, args.tokens, r, compute_s=layer_s)
+            e2e = statistics.median(samples["layerwise_e2e_s"])
+            res["layer_transfer_ms"] = layer_s * 1e3
+            res["layerwise_e2e_ms"] = e2e * 1e3
+            res["layerwise_overlap"] = e2e / (args.layers * layer_s + layer_s)
+        for key, num, den in (("nixl_vs_raw_nixl", "nixl_gbps", "raw_nixl_gbps"),
+                              ("grpc_vs_raw_tcp", "grpc_gbps", "raw_tcp_gbps"),
+                              ("grpc_vs_raw_grpc", "grpc_gbps", "raw_grpc_gbps"),
+                              ("raw_grpc_vs_raw_tcp", "raw_grpc_gbps", "raw_tcp_gbps"),
+                              ("nixl_vs_memcpy", "nixl_gbps", "memcpy_gbps")):
+            if num in res and den in res:
+                res[key] = res[num] / res[den]
         res["targets"] = TARGETS
+        res["samples"] = samples
         conn.send(("exit",))
         conn.recv()
         raw_agent = None  # noqa: F841
@@ -236,16 +320,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(res: dict) -> None:
-    print(f"KV transfer, {res['tokens']} tokens, {res['layers']} layers, {res['payload_bytes'] / 2**20:.0f} MiB")
-    for key in ("memcpy_gbps", "raw_nixl_gbps", "raw_tcp_gbps", "nixl_gbps", "grpc_gbps"):
-        print(f"  {key:<22}{res[key]:>10.2f} GB/s")
-    print(f"  {'descriptor_setup_ms':<22}{res['descriptor_setup_ms']:>10.3f} ms   (target <= 0.5)")
-    print(f"  {'layer_transfer_ms':<22}{res['layer_transfer_ms']:>10.2f} ms")
-    print(f"  {'layerwise_e2e_ms':<22}{res['layerwise_e2e_ms']:>10.1f} ms")
-    print(f"  {'layerwise_overlap':<22}{res['layerwise_overlap']:>10.3f}      (target <= 1.15)")
-    print(f"  {'nixl / raw nixl':<22}{res['nixl_vs_raw_nixl']:>10.3f}      (target >= 0.9)")
-    print(f"  {'grpc / raw tcp':<22}{res['grpc_vs_raw_tcp']:>10.3f}      (target >= 0.5)")
-    print(f"  {'nixl / memcpy':<22}{res['nixl_vs_memcpy']:>10.3f}")
+    print(f"KV transfer, {res['tokens']} tokens, {res['layers']} layers, {res['payload_bytes'] / 2**20:.0f} MiB, "
+          f"medians of {res['repeats']}")
+    rows = [(key, "GB/s", "") for key in ("memcpy_gbps", "raw_nixl_gbps", "raw_tcp_gbps", "raw_grpc_gbps",
+                                          "nixl_gbps", "grpc_gbps")]
+    rows += [("descriptor_setup_ms", "ms", "(target <= 0.5)"), ("layer_transfer_ms", "ms", ""),
+             ("layerwise_e2e_ms", "ms", ""), ("layerwise_overlap", "", "(target <= 1.15)"),
+             ("nixl_vs_raw_nixl", "", "(target >= 0.9)"), ("grpc_vs_raw_tcp", "", "(target >= 0.5)"),
+             ("grpc_vs_raw_grpc", "", ""), ("raw_grpc_vs_raw_tcp", "", ""), ("nixl_vs_memcpy", "", "")]
+    for key, unit, note in rows:
+        if res.get(key) is not None:
+            print(f"  {key:<22}{res[key]:>10.3f} {unit:<5}{note}")
 
 
 if __name__ == "__main__":
