@@ -3,14 +3,18 @@ and are validated, then written straight into the request's destination pages.
 
 Lifecycle per request: expect() -> sender Handshake (once per sender) -> Begin (checks
 dst page ids against the allocation) -> Push stream of chunks, each acknowledged (the
-sender keeps at most `max_inflight_chunks` unacknowledged, which bounds memory) -> final
-notice -> DONE. A rejected chunk fails the request and ends the stream with a refusal;
+sender keeps at most `max_inflight_chunks` unacknowledged, which bounds memory; chunks sent
+with `defer_ack` are counted by the next Ack's `items` instead) -> final notice -> DONE.
+Chunks are written from the message's own bytes (a read-only view, no copy): whole-page
+chunks with one `index_copy_` into the destination pages, token runs through
+mapping.write_token_run. A rejected chunk fails the request and ends the stream with a refusal;
 a stream that breaks or ends before its final notice fails the request; the deadline
 fails anything still open. Failed requests' pages go back through `on_release`.
 """
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 
 import grpc
@@ -71,15 +75,20 @@ class GrpcReceiver(KVReceiver):
 
     def handle_push(self, items: Iterator[pb.PushItem], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
         open_requests: set[str] = set()
+        unacked = 0  # deferred chunks the next Ack covers
         try:
             for item in items:
+                unacked += 1
                 if item.HasField("chunk"):
                     open_requests.add(item.chunk.request_id)
                     ack = self._write_chunk(item.chunk)
+                    if ack.ok and item.chunk.defer_ack:
+                        continue
                 else:
                     ack = self._final(item.final)
                     if ack.ok:
                         open_requests.discard(item.final.request_id)
+                ack.items, unacked = unacked, 0
                 yield ack
                 if not ack.ok:
                     return
@@ -90,13 +99,22 @@ class GrpcReceiver(KVReceiver):
                 self.book.fail(rid, "sender stream ended before its final notice")
 
     def _write_chunk(self, chunk: pb.PageChunk) -> pb.Ack:
+        raw = chunk.data
+        dst_page_ids = list(chunk.dst_page_ids)
         inc = self.book.check_run(chunk.request_id, chunk.sender_id, chunk.layer, chunk.token_start,
-                                  chunk.num_tokens, list(chunk.dst_page_ids), len(chunk.data))
+                                  chunk.num_tokens, dst_page_ids, len(raw), whole_pages=chunk.whole_pages)
         src = inc.senders[chunk.sender_id]
         try:
-            data = torch.frombuffer(bytearray(chunk.data), dtype=torch_dtype(src.dtype))
-            data = data.view(2, chunk.num_tokens, src.num_heads, src.head_dim)
-            write_token_run(self.pool.layers[chunk.layer], inc.page_ids, self.pool.layout, chunk.token_start, data, src)
+            with warnings.catch_warnings():  # read-only bytes: the tensor is only ever read from
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(raw, dtype=torch_dtype(src.dtype))
+            layer = self.pool.layers[chunk.layer]
+            if chunk.whole_pages:
+                pages = torch.tensor(dst_page_ids, dtype=torch.int64)
+                layer.index_copy_(0, pages, data.view(len(dst_page_ids), *layer.shape[1:]))
+            else:
+                data = data.view(2, chunk.num_tokens, src.num_heads, src.head_dim)
+                write_token_run(layer, inc.page_ids, self.pool.layout, chunk.token_start, data, src)
         except Exception as exc:  # a malformed chunk must fail its request, not the server
             self.book.abort_write(chunk.request_id, f"chunk could not be written: {exc}")
             return pb.Ack(ok=False, reason=str(exc))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kv_transfer.layout import KVLayout, KVPool
-from kv_transfer.mapping import head_overlap, pages_of_run
+from kv_transfer.mapping import head_overlap, is_homogeneous, pages_of_run
 from kv_transfer.states import TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,11 @@ class ReceiverBook:
             return inc
 
     def check_run(self, request_id: str, sender_id: str, layer: int, token_start: int, num_tokens: int,
-                  dst_page_ids: list[int] | None = None, nbytes: int | None = None) -> Incoming:
-        """Validate one run and count it as an in-flight write (end it with mark() or abort_write())."""
+                  dst_page_ids: list[int] | None = None, nbytes: int | None = None,
+                  whole_pages: bool = False) -> Incoming:
+        """Validate one run and count it as an in-flight write (end it with mark() or abort_write()).
+        `whole_pages`: the payload is the sender's whole pages (identical layouts only), so
+        `nbytes` must be the pages' size rather than the tokens'."""
         with self._lock:
             inc = self._live(request_id)
             src = inc.senders.get(sender_id)
@@ -141,19 +144,26 @@ class ReceiverBook:
             if num_tokens < 1 or token_start < 0 or token_start + num_tokens > inc.num_tokens:
                 raise self._reject(request_id, f"tokens [{token_start}, {token_start + num_tokens}) outside "
                                                f"[0, {inc.num_tokens})")
+            expected = pages_of_run(inc.page_ids, self.layout.page_size, token_start, num_tokens)
             if dst_page_ids is not None:
                 claimed = np.asarray(dst_page_ids, dtype=np.int64)
-                outside = np.setdiff1d(claimed, inc.page_ids)
-                if len(outside):
-                    raise self._reject(request_id, f"page ids {outside[:8].tolist()} are outside the "
-                                                   f"request's allocation")
-                expected = pages_of_run(inc.page_ids, self.layout.page_size, token_start, num_tokens)
-                if not np.array_equal(claimed, expected):
+                if not np.array_equal(claimed, expected):  # equal to the expected pages: inside the allocation
+                    outside = np.setdiff1d(claimed, inc.page_ids)
+                    if len(outside):
+                        raise self._reject(request_id, f"page ids {outside[:8].tolist()} are outside the "
+                                                       f"request's allocation")
                     raise self._reject(request_id, f"page ids {claimed[:8].tolist()} do not hold tokens "
                                                    f"[{token_start}, {token_start + num_tokens})")
-            if nbytes is not None and nbytes != 2 * num_tokens * src.token_bytes:
-                raise self._reject(request_id, f"chunk carries {nbytes} bytes, expected "
-                                               f"{2 * num_tokens * src.token_bytes}")
+            if whole_pages:
+                if not is_homogeneous(src, self.layout):
+                    raise self._reject(request_id, "whole-page chunk between different layouts")
+                if token_start % self.layout.page_size:
+                    raise self._reject(request_id, f"whole-page chunk starts mid-page (token {token_start})")
+                want = len(expected) * src.page_bytes
+            else:
+                want = 2 * num_tokens * src.token_bytes
+            if nbytes is not None and nbytes != want:
+                raise self._reject(request_id, f"chunk carries {nbytes} bytes, expected {want}")
             lo, hi = head_overlap(src, self.layout)
             h0, h1 = lo - self.layout.head_start, hi - self.layout.head_start
             if inc.covered[layer, token_start:token_start + num_tokens, h0:h1].any():

@@ -68,6 +68,9 @@ class PeerChannel:
         self.config = config
         self.channel = grpc.insecure_channel(endpoint, options=_options(config))
         self.stub = pb_grpc.KVTransferStub(self.channel)
+        # Push with items already encoded (grpc_sender.encode_chunk): bytes go out as they are
+        self.push = self.channel.stream_stream("/pdcluster.v1.KVTransfer/Push", request_serializer=None,
+                                               response_deserializer=pb.Ack.FromString)
         self.reply: pb.HandshakeReply | None = None
         self.lock = threading.Lock()
 

@@ -125,15 +125,17 @@ class BeginTransfer(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("ok", "reason")
+    __slots__ = ("ok", "reason", "items")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    items: int
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., items: _Optional[int] = ...) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("request_id", "sender_id", "layer", "token_start", "num_tokens", "dst_page_ids", "data")
+    __slots__ = ("request_id", "sender_id", "layer", "token_start", "num_tokens", "dst_page_ids", "data", "whole_pages", "defer_ack")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,8 @@ class PageChunk(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEFER_ACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     layer: int
@@ -148,7 +152,9 @@ class PageChunk(_message.Message):
     num_tokens: int
     dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    whole_pages: bool
+    defer_ack: bool
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., whole_pages: _Optional[bool] = ..., defer_ack: _Optional[bool] = ...) -> None: ...
 
 class FinalNotice(_message.Message):
     __slots__ = ("request_id", "sender_id", "first_token", "prompt_len")
