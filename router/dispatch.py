@@ -1,0 +1,207 @@
+"""`Dispatcher`: one request's way across the pools, after validation.
+
+    pick decode (policy) -> admit (pages + descriptor; maybe QUEUED_FOR_PAGES -> wait;
+    LOCAL_PREFILL skips the prefill pool) -> pick prefill (policy) -> submit, await the
+    first token -> stream the decode worker's outputs until finished.
+
+A prefill worker that fails before the first token (error result or a dead worker) gets the
+request retried on another one, under a new worker-side id (`RID~N`) and fresh decode pages:
+the failed attempt is cancelled on both sides first. Whatever ends the stream early (client
+cancel, deadline, router shutdown) cancels the request on both workers, so their pages come
+back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode_worker.worker import DecodeStage
+from prefill_worker.tasks import PrefillResult, PrefillTask
+from router.frontend import PreparedRequest, RequestError
+from router.handles import DecodeHandle, PrefillHandle
+from router.policy import PlacementPolicy, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class RequestStats:
+    arrival: float
+    admitted: float = 0.0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+    first_output: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    finish_reason: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    local_prefill: bool = False
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class _Live:
+    """What must be cancelled if the request ends early."""
+    decode: DecodeHandle | None = None
+    prefill: PrefillHandle | None = None
+    worker_rid: str = ""
+    done: bool = False
+    views: list[WorkerView] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], policy: PlacementPolicy,
+                 *, max_prefill_attempts: int = 2) -> None:
+        if not decodes:
+            raise ValueError("the router needs at least one decode (or colocated) worker")
+        self.prefills = {h.worker_id: h for h in prefills}
+        self.decodes = {h.worker_id: h for h in decodes}
+        self.views = {h.worker_id: WorkerView(h.worker_id, h.pool, "prefill") for h in prefills}
+        self.views.update({h.worker_id: WorkerView(h.worker_id, h.pool, getattr(h, "role", "decode")) for h in decodes})
+        self.policy = policy
+        self.max_prefill_attempts = max_prefill_attempts
+        self._cleanup: set[asyncio.Task] = set()
+
+    # ---- loads ----------------------------------------------------------------------------
+    async def refresh_loads(self, timeout_s: float = 2.0) -> None:
+        async def one(wid: str, handle) -> None:
+            view = self.views[wid]
+            try:
+                view.load = await asyncio.wait_for(handle.load(), timeout_s)
+                view.healthy, view.error = True, ""
+            except Exception as exc:  # a dead or stuck worker is skipped by placement
+                view.healthy, view.error = False, f"{type(exc).__name__}: {exc}"[:300]
+
+        await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
+
+    def _candidates(self, ids, exclude=()) -> list[WorkerView]:
+        return [self.views[w] for w in ids if w not in exclude and self.views[w].healthy]
+
+    # ---- one request ----------------------------------------------------------------------
+    async def generate(self, req: PreparedRequest, stats: RequestStats) -> AsyncIterator[Chunk]:
+        stats.prompt_tokens = len(req.prompt_token_ids)
+        live = _Live()
+        try:
+            await self._place(req, stats, live)
+            async for out in live.decode.stream(live.worker_rid):
+                if out.new_token_ids or out.new_text:
+                    if not stats.first_output:
+                        stats.first_output = time.monotonic()
+                    stats.completion_tokens += len(out.new_token_ids)
+                    yield Chunk(list(out.new_token_ids), out.new_text)
+                if out.finished:
+                    live.done = True
+                    if out.finish_reason in ("error", "abort"):
+                        raise RequestError(f"request ended on decode worker {live.decode.worker_id}: "
+                                           f"{out.finish_reason}: {out.error or 'no detail'}",
+                                           grpc.StatusCode.UNAVAILABLE)
+                    stats.finish_reason = out.finish_reason or "stop"
+                    return
+        finally:
+            for v in live.views:
+                v.inflight -= 1
+            if not live.done:
+                self._abort_later(live)
+
+    async def _place(self, req: PreparedRequest, stats: RequestStats, live: _Live) -> None:
+        tried: set[str] = set()
+        while True:
+            stats.attempts += 1
+            rid = req.request_id if stats.attempts == 1 else f"{req.request_id}~{stats.attempts - 1}"
+            decodes = self._candidates(self.decodes)
+            if not decodes:
+                raise RequestError("no healthy decode worker", grpc.StatusCode.UNAVAILABLE)
+            dview = self.policy.pick_decode(decodes, req.block_hashes)
+            decode = self.decodes[dview.worker_id]
+            live.decode, live.prefill, live.worker_rid = decode, None, rid
+            try:
+                adm = await decode.admit(rid, req.prompt_token_ids, req.params)
+            except ValueError as exc:  # the worker's own limits (pages, lengths)
+                live.done = True
+                raise RequestError(f"decode worker {dview.worker_id} refused the request: {exc}") from exc
+            dview.inflight += 1
+            dview.placed += 1
+            live.views.append(dview)
+            stats.decode_worker = dview.worker_id
+            if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
+                adm = await decode.wait_admitted(rid)
+            if adm.stage == DecodeStage.LOCAL_PREFILL:
+                stats.local_prefill = True
+                stats.prefill_start = stats.first_token = time.monotonic()
+                return
+            prefills = self._candidates(self.prefills, exclude=tried)
+            if not prefills:
+                raise RequestError("no healthy prefill worker" + (" left to retry on" if tried else ""),
+                                   grpc.StatusCode.UNAVAILABLE)
+            pview = self.policy.pick_prefill(prefills, req.block_hashes)
+            tried.add(pview.worker_id)
+            prefill = self.prefills[pview.worker_id]
+            live.prefill = prefill
+            stats.prefill_worker = pview.worker_id
+            pview.placed += 1
+            pview.inflight += 1
+            pview.inflight_tokens += len(req.prompt_token_ids)
+            stats.prefill_start = time.monotonic()
+            try:
+                result = await prefill.submit(PrefillTask(rid, req.prompt_token_ids, req.params, [adm.descriptor]))
+            except ValueError as exc:
+                raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
+            except Exception as exc:  # the worker died or its actor is gone: retryable
+                result = PrefillResult(rid, None, len(req.prompt_token_ids), ok=False,
+                                       error=f"{type(exc).__name__}: {exc}")
+                pview.healthy, pview.error = False, result.error[:300]
+            finally:
+                pview.inflight -= 1
+                pview.inflight_tokens -= len(req.prompt_token_ids)
+            if result.ok:
+                pview.remember(req.block_hashes, _capacity(pview))
+                stats.first_token = time.monotonic()
+                stats.cached_prompt_tokens = result.num_cached_tokens
+                return
+            log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, stats.attempts,
+                        result.error)
+            await self._abort(decode, prefill, rid)
+            live.views.remove(dview)
+            dview.inflight -= 1
+            if stats.attempts >= self.max_prefill_attempts:
+                live.done = True
+                raise RequestError(f"prefill failed on {sorted(tried)}: {result.error}", grpc.StatusCode.UNAVAILABLE)
+
+    # ---- cleanup --------------------------------------------------------------------------
+    def _abort_later(self, live: _Live) -> None:
+        # The caller's task is being cancelled (client cancel, deadline): the cancels run in a
+        # task of their own so they finish whatever happens to the caller.
+        task = asyncio.get_running_loop().create_task(self._abort(live.decode, live.prefill, live.worker_rid))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    @staticmethod
+    async def _abort(decode: DecodeHandle | None, prefill: PrefillHandle | None, rid: str) -> None:
+        for handle in (prefill, decode):
+            if handle is None or not rid:
+                continue
+            try:
+                await asyncio.wait_for(handle.cancel(rid), 10)
+            except Exception as exc:
+                log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, exc)
+
+    async def drain_cleanup(self) -> None:
+        if self._cleanup:
+            await asyncio.gather(*list(self._cleanup), return_exceptions=True)
+
+
+def _capacity(view: WorkerView) -> int:
+    return max(getattr(view.load, "total_pages", 0) if view.load is not None else 0, 1024)

@@ -1,0 +1,112 @@
+"""Placement policies: which decode worker takes a request (first: it owns the destination
+pages), then which prefill worker builds its KV. A policy sees `WorkerView`s (the latest
+load report plus the router's own count of what it placed there and has not finished) and
+the request's block hashes; it never calls a worker.
+
+  round-robin   each role in turn, ignoring load
+  least-loaded  decode: fewest in-flight, then most free pages; prefill: fewest queued tokens
+  prefix-aware  prefill: most leading block hashes believed cached, less queued tokens;
+                decode as least-loaded. The index is approximate (what this router sent
+                where, LRU-capped at the worker's page count), never asked of the workers.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+
+
+@dataclass(slots=True, eq=False)
+class WorkerView:
+    worker_id: str
+    pool: str
+    role: str
+    load: object | None = None        # PrefillLoad | DecodeLoad, refreshed in the background
+    healthy: bool = True
+    error: str = ""
+    inflight: int = 0                 # requests placed here by this router, not finished
+    inflight_tokens: int = 0          # prompt tokens of those (prefill: not yet sampled)
+    placed: int = 0
+    cached: OrderedDict = field(default_factory=OrderedDict)  # block hash -> None, LRU order
+
+    @property
+    def free_pages(self) -> int:
+        return getattr(self.load, "free_pages", 0) if self.load is not None else 0
+
+    @property
+    def queued_tokens(self) -> int:
+        reported = getattr(self.load, "queued_tokens", 0) if self.load is not None else 0
+        return max(reported, self.inflight_tokens)
+
+    def matched_pages(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence[int], capacity: int) -> None:
+        for h in hashes:
+            self.cached[h] = None
+            self.cached.move_to_end(h)
+        while len(self.cached) > capacity:
+            self.cached.popitem(last=False)
+
+
+class PlacementPolicy:
+    name = "base"
+
+    def pick_decode(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+        raise NotImplementedError
+
+    def pick_prefill(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+        raise NotImplementedError
+
+
+class RoundRobin(PlacementPolicy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = {"decode": itertools.count(), "prefill": itertools.count()}
+
+    def pick_decode(self, views, hashes):
+        return views[next(self._turn["decode"]) % len(views)]
+
+    def pick_prefill(self, views, hashes):
+        return views[next(self._turn["prefill"]) % len(views)]
+
+
+class LeastLoaded(PlacementPolicy):
+    name = "least-loaded"
+
+    def pick_decode(self, views, hashes):
+        return min(views, key=lambda v: (v.inflight, -v.free_pages, v.placed))
+
+    def pick_prefill(self, views, hashes):
+        return min(views, key=lambda v: (v.queued_tokens, v.inflight, v.placed))
+
+
+class PrefixAware(LeastLoaded):
+    name = "prefix-aware"
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+
+    def pick_prefill(self, views, hashes):
+        # A cached page saves page_size tokens of compute; queued tokens delay this one.
+        return max(views, key=lambda v: (v.matched_pages(hashes) * self.page_size - v.queued_tokens,
+                                         -v.inflight, -v.placed))
+
+
+def make_policy(name: str, page_size: int) -> PlacementPolicy:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "prefix-aware":
+        return PrefixAware(page_size)
+    raise ValueError(f"policy must be one of {list(POLICIES)}, got {name!r}")

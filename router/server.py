@@ -1,0 +1,81 @@
+"""`RouterServer`: the grpc.aio server around InferenceService, with the standard health
+service (SERVING once started, NOT_SERVING while draining) and server reflection, plus a
+background task that refreshes worker loads for placement."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.service import InferenceService
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class RouterServer:
+    def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
+                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20) -> None:
+        self.service = service
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self.load_refresh_s = load_refresh_s
+        self.max_message_bytes = max_message_bytes
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._refresher: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        opts = [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes), ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=opts)
+        pb_grpc.add_InferenceServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if not self.port:
+            raise RuntimeError(f"could not bind the router to {self.host}:{self.requested_port}")
+        await self.service.dispatcher.refresh_loads()
+        await server.start()
+        self._server = server
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("router serving %s on %s", SERVICE_NAME, self.address)
+        return self.address
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.load_refresh_s)
+            try:
+                await self.service.dispatcher.refresh_loads()
+            except Exception as exc:  # never let placement data stop the router
+                log.warning("load refresh failed: %s", exc)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Drain: health NOT_SERVING, refuse new requests, let running ones finish within
+        grace_s (then cancel them, which frees their pages), stop."""
+        self.service.draining = True
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        await self.service.dispatcher.drain_cleanup()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+            self._refresher = None

@@ -1,0 +1,131 @@
+"""`InferenceService`: the grpc.aio servicer of pdcluster.v1.Inference.
+
+Admission: at most `max_inflight` requests run across the pools; up to `max_queue` more wait
+for a slot (their wait is the `queue_s` timing); beyond that a request is refused with
+RESOURCE_EXHAUSTED at once. A client deadline or cancel ends the handler's task, and the
+dispatcher cancels the request on both workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from router.dispatch import Chunk, Dispatcher, RequestStats
+from router.frontend import Frontend, RequestError
+from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, frontend: Frontend, dispatcher: Dispatcher, *, model_id: str, architecture: str,
+                 eos_token_ids: list[int], max_inflight: int = 64, max_queue: int = 256) -> None:
+        if max_inflight < 1 or max_queue < 0:
+            raise ValueError(f"max_inflight must be >= 1 and max_queue >= 0, got {max_inflight}, {max_queue}")
+        self.frontend = frontend
+        self.dispatcher = dispatcher
+        self.model_id, self.architecture, self.eos_token_ids = model_id, architecture, list(eos_token_ids)
+        self.max_inflight, self.max_queue = max_inflight, max_queue
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._waiting = 0
+        self._running = 0
+        self._active: set[str] = set()
+        self.served = 0
+        self.failed = 0
+        self.draining = False
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.monotonic()
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining")
+        try:
+            prepared = self.frontend.prepare(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        rid = prepared.request_id
+        if rid in self._active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+        if self._running >= self.max_inflight and self._waiting >= self.max_queue:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the admission queue is full ({self._waiting} waiting, max_queue={self.max_queue}, "
+                                f"{self._running} running, max_inflight={self.max_inflight}); retry later")
+        self._active.add(rid)
+        stats = RequestStats(arrival=arrival)
+        self._waiting += 1
+        acquired = False
+        try:
+            await self._slots.acquire()
+            acquired = True
+            self._waiting -= 1
+            self._running += 1
+            stats.admitted = time.monotonic()
+            ttft = 0.0
+            async for chunk in self.dispatcher.generate(prepared, stats):
+                if not ttft:
+                    ttft = time.monotonic() - arrival
+                yield self._chunk(rid, chunk)
+            yield self._final(rid, stats, ttft)
+            self.served += 1
+        except RequestError as exc:
+            self.failed += 1
+            await context.abort(exc.code, str(exc))
+        except asyncio.CancelledError:
+            self.failed += 1
+            raise
+        finally:
+            if acquired:
+                self._running -= 1
+                self._slots.release()
+            else:
+                self._waiting -= 1
+            self._active.discard(rid)
+
+    @staticmethod
+    def _chunk(rid: str, chunk: Chunk) -> pb.GenerateResponse:
+        return pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text)
+
+    @staticmethod
+    def _final(rid: str, s: RequestStats, ttft: float) -> pb.GenerateResponse:
+        end = time.monotonic()
+        return pb.GenerateResponse(
+            request_id=rid, finish_reason=s.finish_reason,
+            usage=pb.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
+                           cached_prompt_tokens=s.cached_prompt_tokens),
+            timings=pb.Timings(queue_s=s.admitted - s.arrival, prefill_s=max(s.first_token - s.prefill_start, 0.0),
+                               transfer_s=max(s.first_output - s.first_token, 0.0) if s.first_output else 0.0,
+                               ttft_s=ttft, e2e_s=end - s.arrival),
+            placement=pb.Placement(prefill_worker=s.prefill_worker, decode_worker=s.decode_worker,
+                                   local_prefill=s.local_prefill, attempts=s.attempts))
+
+    async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        f = self.frontend
+        return pb.ModelInfoResponse(model_id=self.model_id, architecture=self.architecture, vocab_size=f.vocab_size,
+                                    max_model_len=f.max_model_len, eos_token_ids=self.eos_token_ids,
+                                    has_chat_template=f.has_chat_template, hash_page_size=f.hash_page_size)
+
+    async def Tokenize(self, request, context) -> pb.TokenizeResponse:
+        try:
+            ids, rendered = self.frontend.tokens_of(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, rendered=rendered)
+
+    async def ClusterStatus(self, request, context) -> pb.ClusterStatusResponse:
+        await self.dispatcher.refresh_loads()
+        workers = []
+        for v in self.dispatcher.views.values():
+            ld = v.load
+            workers.append(pb.WorkerStatus(
+                worker_id=v.worker_id, pool=v.pool, role=v.role, healthy=v.healthy, error=v.error,
+                free_pages=getattr(ld, "free_pages", 0), total_pages=getattr(ld, "total_pages", 0),
+                running_requests=getattr(ld, "running_requests", 0),
+                waiting_requests=getattr(ld, "waiting_requests", getattr(ld, "queued_requests", 0)),
+                queued_tokens=getattr(ld, "queued_tokens", 0),
+                transferring_requests=getattr(ld, "transferring_requests", getattr(ld, "waiting_for_kv", 0)),
+                tokens_per_s=getattr(ld, "tokens_per_s", 0.0),
+                prefix_cache_hit_rate=getattr(ld, "prefix_cache_hit_rate", 0.0), requests_placed=v.placed))
+        return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name,
+                                        inflight_requests=self._running, queued_requests=self._waiting,
+                                        max_inflight=self.max_inflight, max_queue=self.max_queue,
+                                        requests_served=self.served, requests_failed=self.failed)

@@ -1,0 +1,254 @@
+"""The router's gRPC server in one process, in front of real prefill and decode workers over
+the `local` transport: greedy streams equal engine.LLM, every kind of bad request gets its
+status code (and the server serves afterwards), a full queue is RESOURCE_EXHAUSTED, cancel
+and deadline free the pages on both workers, a failed prefill is retried on another worker,
+health and reflection answer."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
+from decode_worker import AsyncDecodeWorker, DecodeWorker
+from engine.sampling_params import SamplingParams
+from kv_transfer.config import TransferConfig
+from kv_transfer.local import LocalHub
+from prefill_worker import AsyncPrefillWorker, PrefillWorker
+from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from router.app import build_router
+from tests.conftest import register_engine
+from tests.hf_reference import random_prompts
+
+ENGINE = dict(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256)
+S = pb.SamplingParams
+
+
+class FlakyPrefill:
+    """A prefill handle whose worker 'dies' before the first token."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id, self.pool, self.calls = worker_id, "prefill", 0
+
+    async def submit(self, task):
+        self.calls += 1
+        raise ConnectionError("prefill worker died")
+
+    async def cancel(self, request_id):
+        return False
+
+    async def load(self):
+        from prefill_worker.tasks import PrefillLoad
+        return PrefillLoad(0, 0, 0, 0, 0, 64, 64, 0.0)
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model):
+    model = tiny_model("llama")
+    hub = LocalHub()
+    cfg = TransferConfig(deadline_s=20)
+    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
+                            page_size=16, num_pages=128, **ENGINE)
+    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
+                          page_size=16, num_pages=128, **ENGINE)
+    for w in (prefill, decode):
+        register_engine(w.core)
+    ph = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0")
+    dh = LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
+    loop = Loop()
+    main = loop.run(_start(model, [ph], [dh], policy="prefix-aware", max_model_len=256))
+    tiny_queue = loop.run(_start(model, [ph], [dh], max_inflight=1, max_queue=0, max_model_len=256))
+    flaky = FlakyPrefill("prefill-flaky")
+    retrying = loop.run(_start(model, [flaky, ph], [dh], policy="round-robin", max_model_len=256))
+    servers = dict(main=main, tiny_queue=tiny_queue, retrying=retrying, flaky=flaky, model=model, loop=loop,
+                   workers=(prefill, decode))
+    yield servers
+    for s in (main, tiny_queue, retrying):
+        loop.run(s.stop(1.0))
+    ph.close(), dh.close()
+    loop.close()
+
+
+async def _start(model, prefills, decodes, **kw):
+    server = build_router(model, prefills, decodes, **kw)
+    await server.start()
+    return server
+
+
+def stub(server):
+    return pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
+
+
+def collect(stub_, req, timeout=60):
+    chunks = list(stub_.Generate(req, timeout=timeout))
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def wait_free(stub_, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = stub_.ClusterStatus(pb.ClusterStatusRequest())
+        if all(w.free_pages == w.total_pages for w in st.workers) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_concurrent_greedy_streams_match_llm(router, make_llm):
+    model = router["model"]
+    prompts = random_prompts([3, 17, 40, 64, 9, 33, 80, 120], 256, seed=3)
+    want = make_llm(model, page_size=16, num_pages=128).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    s = stub(router["main"])
+    req = lambda p: pb.GenerateRequest(prompt_token_ids=p, sampling=S(max_tokens=12, temperature=0, ignore_eos=True))
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: collect(s, req(p)), prompts))
+    for (ids, text, last), w in zip(got, want):
+        assert ids == w.token_ids
+        assert text == w.text
+        assert last.finish_reason == "length"
+        assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert last.placement.prefill_worker == "prefill-0" and last.placement.decode_worker == "decode-0"
+        assert last.timings.ttft_s > 0 and last.timings.e2e_s >= last.timings.ttft_s
+    # a text prompt and a chat prompt: tokenized once by the router, same tokens as the engine
+    llm = make_llm(model, page_size=16, num_pages=128)
+    ids, text, _ = collect(s, pb.GenerateRequest(prompt="The prefill pool", sampling=S(max_tokens=8, temperature=0)))
+    assert ids == llm.generate("The prefill pool", SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    tok = s.Tokenize(pb.TokenizeRequest(messages=[pb.ChatMessage(role="user", content="hi")]))
+    assert "<|im_start|>user" in tok.rendered and tok.token_ids
+    ids, _, last = collect(s, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                  sampling=S(max_tokens=5, temperature=0, ignore_eos=True)))
+    assert ids == llm.generate(list(tok.token_ids), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].token_ids
+    info = s.ModelInfo(pb.ModelInfoRequest())
+    assert info.vocab_size == 2048 and info.has_chat_template and info.max_model_len == 256
+    wait_free(s)
+
+
+BAD = [
+    ("no input", dict(), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+    ("two inputs", dict(prompt="a", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+    ("token id >= vocab", dict(prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[1]"),
+    ("prompt too long", dict(prompt_token_ids=[1] * 300), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+    ("prompt + max_tokens too long", dict(prompt_token_ids=[1] * 200, sampling=S(max_tokens=100)),
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+    ("max_tokens 0", dict(prompt="a", sampling=S(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1"),
+    ("max_tokens negative", dict(prompt="a", sampling=S(max_tokens=-3)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("temperature negative", dict(prompt="a", sampling=S(temperature=-0.5)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("temperature nan", dict(prompt="a", sampling=S(temperature=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("temperature inf", dict(prompt="a", sampling=S(temperature=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("top_p 0", dict(prompt="a", sampling=S(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+    ("top_p > 1", dict(prompt="a", sampling=S(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("top_k < -1", dict(prompt="a", sampling=S(top_k=-2)), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("min_p > 1", dict(prompt="a", sampling=S(min_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
+    ("min_p negative", dict(prompt="a", sampling=S(min_p=-0.1)), grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
+    ("logprobs > 20", dict(prompt="a", sampling=S(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    ("logprobs negative", dict(prompt="a", sampling=S(logprobs=-1)), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    ("logprobs not served", dict(prompt="a", sampling=S(logprobs=2)), grpc.StatusCode.UNIMPLEMENTED, "logprobs"),
+    ("empty stop string", dict(prompt="a", sampling=S(stop=["x", ""])), grpc.StatusCode.INVALID_ARGUMENT, "stop[1]"),
+    ("too many stop strings", dict(prompt="a", sampling=S(stop=["s"] * 17)), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ("stop token >= vocab", dict(prompt="a", sampling=S(stop_token_ids=[5, 4096])), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids[1]"),
+    ("bad chat role", dict(messages=[pb.ChatMessage(role="robot", content="x")]), grpc.StatusCode.INVALID_ARGUMENT,
+     "messages[0].role"),
+    ("empty chat content", dict(messages=[pb.ChatMessage(role="user", content="")]), grpc.StatusCode.INVALID_ARGUMENT,
+     "messages[0].content"),
+    ("bad request_id", dict(request_id="has space", prompt="a"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("request_id too long", dict(request_id="r" * 200, prompt="a"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+]
+
+
+def test_bad_requests_get_status_codes_then_server_serves(router):
+    s = stub(router["main"])
+    for name, fields, code, needle in BAD:
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.Generate(pb.GenerateRequest(**fields), timeout=30))
+        assert err.value.code() == code, (name, err.value.code(), err.value.details())
+        assert needle in err.value.details(), (name, err.value.details())
+    with pytest.raises(grpc.RpcError) as err:  # Tokenize validates the same way
+        s.Tokenize(pb.TokenizeRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a request_id already in flight
+    slow = s.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1, 2, 3],
+                                         sampling=S(max_tokens=200, temperature=0, ignore_eos=True)), timeout=60)
+    next(slow)
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(pb.GenerateRequest(request_id="dup", prompt="a"), timeout=30))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    slow.cancel()
+    ids, _, last = collect(s, pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=4, temperature=0)))
+    assert len(ids) >= 1 and last.finish_reason in ("stop", "length")
+    assert len(BAD) + 2 >= 20
+    wait_free(s)
+
+
+def test_full_queue_is_resource_exhausted(router):
+    s = stub(router["tiny_queue"])
+    long_req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=S(max_tokens=200, temperature=0, ignore_eos=True))
+    first = s.Generate(long_req, timeout=60)
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(pb.GenerateRequest(prompt="a"), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue" in err.value.details()
+    first.cancel()
+    st = wait_free(s)
+    assert all(w.free_pages == w.total_pages for w in st.workers), st
+
+
+def test_cancel_and_deadline_free_pages_on_both_workers(router):
+    s = stub(router["main"])
+    call = s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(1, 60)),
+                                         sampling=S(max_tokens=190, temperature=0, ignore_eos=True)), timeout=60)
+    next(call)
+    call.cancel()
+    st = wait_free(s)
+    assert all(w.free_pages == w.total_pages for w in st.workers), st
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(1, 60)),
+                                           sampling=S(max_tokens=190, temperature=0, ignore_eos=True)), timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    st = wait_free(s)
+    assert all(w.free_pages == w.total_pages for w in st.workers), st
+    assert {w.role for w in st.workers} == {"prefill", "decode"}
+
+
+def test_failed_prefill_is_retried_on_another_worker(router, make_llm):
+    s = stub(router["retrying"])
+    prompt = random_prompts([20], 256, seed=9)[0]
+    ids, _, last = collect(s, pb.GenerateRequest(prompt_token_ids=prompt,
+                                                 sampling=S(max_tokens=6, temperature=0, ignore_eos=True)))
+    assert router["flaky"].calls == 1
+    assert last.placement.attempts == 2 and last.placement.prefill_worker == "prefill-0"
+    want = make_llm(router["model"], page_size=16, num_pages=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert ids == want.token_ids
+    wait_free(stub(router["main"]))
+
+
+def test_health_serving_and_reflection_lists_service(router):
+    ch = grpc.insecure_channel(router["main"].address)
+    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Inference")).status \
+        == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {svc.name for svc in resp.list_services_response.service}
+    assert "pdcluster.v1.Inference" in names and "grpc.health.v1.Health" in names
