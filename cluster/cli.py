@@ -9,6 +9,9 @@ import sys
 # (group, name) -> module; group None means a top-level command.
 _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "demo"): ("cluster.demo", "generate text from a built-in model and print timings"),
+    (None, "serve"): ("cluster.serve", "start the cluster (router + prefill/decode pools on Ray) and serve gRPC"),
+    (None, "generate"): ("cluster.generate", "stream one answer from a running cluster"),
+    (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),

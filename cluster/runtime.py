@@ -1,0 +1,158 @@
+"""`Cluster`: start (or join) Ray, place each pool's replicas with a placement group, start
+the worker actors and the router actor, and wait until the router's health service says
+SERVING; `stop` drains the router, closes the workers, removes the placement groups and,
+for a cluster it started, shuts Ray down (its gcs/raylet/worker processes go with it).
+
+A local cluster stays on loopback: Ray on 127.0.0.1 and every worker's KV endpoint and the
+router on 127.0.0.1. Joining an existing cluster (`address`), workers bind their node's IP.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from cluster.config import ClusterConfig, PoolConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    pool: str
+    role: str
+    actor: object
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    address: str | None = None          # a Ray address to join; None starts a local one
+    workers: list[WorkerRecord] = field(default_factory=list)
+    router_address: str = ""
+    _router: object = None
+    _pgs: list = field(default_factory=list)
+    _started_ray: bool = False
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        if self.address is None:
+            # Read when ray is first imported: binds a one-node cluster to loopback (never for
+            # a real multi-node cluster).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.actors import DecodeActor, PrefillActor, RouterActor
+
+        cfg = self.config
+        if self.address is None:
+            need_cpus = sum(p.resources.num_cpus * p.replicas for p in cfg.pools) + cfg.router.num_cpus
+            custom: dict[str, float] = {}
+            for p in cfg.pools:
+                for k, v in p.resources.custom.items():
+                    custom[k] = custom.get(k, 0.0) + v * p.replicas
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=int(need_cpus + 0.999),
+                     resources=custom or None, log_to_driver=False,
+                     runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
+            self._started_ray = True
+        else:
+            ray.init(address=self.address, log_to_driver=False)
+        local = self.address is None
+        deadline = time.monotonic() + timeout_s
+        try:
+            for pool in cfg.pools:
+                bundle = pool.resources.bundle() or {"CPU": 0.001}
+                pg = placement_group([dict(bundle) for _ in range(pool.replicas)], strategy=pool.placement_strategy,
+                                     name=f"pdcluster-{pool.name}")
+                self._pgs.append(pg)
+                ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
+                for i in range(pool.replicas):
+                    self.workers.append(self._start_worker(pool, i, pg, local, PrefillActor, DecodeActor,
+                                                           PlacementGroupSchedulingStrategy))
+            ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
+            prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
+            decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
+            self._router = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name="pdcluster-router",
+                                                           max_concurrency=10000).remote(cfg, prefills, decodes)
+            self.router_address = ray.get(self._router.start.remote(), timeout=max(deadline - time.monotonic(), 1))
+            wait_serving(self.router_address, max(deadline - time.monotonic(), 1))
+        except BaseException:
+            self.stop()
+            raise
+        return self.router_address
+
+    def _start_worker(self, pool: PoolConfig, index: int, pg, local: bool, prefill_cls, decode_cls, strategy_cls):
+        import ray
+
+        shape = pool.resources
+        extra = {k: v for k, v in shape.bundle().items() if k not in ("CPU", "GPU")}
+        opts = dict(num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, resources=extra or None,
+                    scheduling_strategy=strategy_cls(placement_group=pg, placement_group_bundle_index=index),
+                    max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}")
+        wid = f"{pool.name}-{index}"
+        kind, deadline_s = self.config.transport.kind, self.config.transport.deadline_s
+        if pool.role == "prefill":
+            actor = ray.remote(prefill_cls).options(**opts).remote(wid, pool.name, self.config.model, pool.engine,
+                                                                  kind, deadline_s, local)
+        else:
+            actor = ray.remote(decode_cls).options(**opts).remote(wid, pool.name, pool.role, self.config.model,
+                                                                 pool.engine, kind, deadline_s, local)
+        return WorkerRecord(wid, pool.name, pool.role, actor)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Drain and stop; safe to call twice and after a failed start."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        if self._router is not None:
+            try:
+                ray.get(self._router.stop.remote(grace_s), timeout=grace_s + 10)
+            except Exception as exc:
+                log.warning("router stop: %s", exc)
+            ray.kill(self._router)
+            self._router = None
+        closes = []
+        for w in self.workers:
+            try:
+                closes.append(w.actor.close.remote())
+            except Exception:
+                pass
+        try:
+            ray.get(closes, timeout=20)
+        except Exception as exc:
+            log.warning("worker close: %s", exc)
+        for w in self.workers:
+            ray.kill(w.actor)
+        self.workers.clear()
+        for pg in self._pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self._pgs.clear()
+        ray.shutdown()
+
+
+def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Inference"), timeout=2)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router at {address} did not report SERVING within {timeout_s:.0f}s")
+            time.sleep(0.1)

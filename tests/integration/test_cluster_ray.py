@@ -1,0 +1,164 @@
+"""The whole cluster on a real local Ray (loopback) with real gRPC: concurrent Generate
+streams equal engine.LLM's greedy output (1 prefill + 1 decode over nixl; 2 + 2 over grpc
+with every replica getting work), bad requests get their status codes through the Ray path,
+cancel and deadline leave free pages equal total on every worker (read through
+ClusterStatus), health SERVING, reflection lists the service, and nothing we started
+listens beyond 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.config import ClusterConfig
+from engine.sampling_params import SamplingParams
+from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+from tests.hf_reference import random_prompts
+
+S = pb.SamplingParams
+ENGINE = dict(num_pages=256, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=32, page_size=16)
+GREEDY = dict(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def start_cluster(tiny_model, **kw):
+    from cluster.runtime import Cluster
+
+    tiny_model("llama")  # built once in this process; actors find it in PDCLUSTER_CACHE
+    cluster = Cluster(ClusterConfig.embedded(model="tiny", port=0, engine=ENGINE, **kw))
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    c = start_cluster(tiny_model, prefill=1, decode=1, transport="nixl")
+    yield c
+    c.stop()
+    assert not _our_ray_processes(), "Ray processes left after stop"
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _our_ray_processes() -> list[str]:
+    names = []
+    for p in _descendants(os.getpid()):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd or "default_worker" in cmd:
+            names.append(f"{p}: {cmd[:80]}")
+    return names
+
+
+def stub(c):
+    return pb_grpc.InferenceStub(grpc.insecure_channel(c.router_address))
+
+
+def collect(s, req, timeout=120):
+    chunks = list(s.Generate(req, timeout=timeout))
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+def wait_free(s, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = s.ClusterStatus(pb.ClusterStatusRequest())
+        if all(w.free_pages == w.total_pages for w in st.workers) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def run_streams(c, prompts):
+    s = stub(c)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: collect(s, pb.GenerateRequest(prompt_token_ids=p, sampling=S(**GREEDY))),
+                             prompts))
+
+
+def test_32_concurrent_streams_equal_llm_greedy(cluster, tiny_model, make_llm):
+    prompts = random_prompts([3 + 5 * i for i in range(32)], 2048, seed=4)
+    got = run_streams(cluster, prompts)
+    want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for (ids, last), w in zip(got, want):
+        assert ids == w.token_ids
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 10
+    st = wait_free(stub(cluster))
+    assert all(w.free_pages == w.total_pages and w.healthy for w in st.workers), st
+    assert st.requests_served >= 32
+
+
+def test_bad_requests_through_ray_then_serves(cluster):
+    s = stub(cluster)
+    for fields, code in [(dict(), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(prompt="a", sampling=S(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(prompt="a", sampling=S(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(prompt_token_ids=[1] * 400), grpc.StatusCode.INVALID_ARGUMENT),
+                         (dict(prompt="a", sampling=S(logprobs=3)), grpc.StatusCode.UNIMPLEMENTED)]:
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.Generate(pb.GenerateRequest(**fields), timeout=30))
+        assert err.value.code() == code, err.value.details()
+    ids, last = collect(s, pb.GenerateRequest(prompt="The decode pool", sampling=S(max_tokens=4, temperature=0)))
+    assert ids and last.finish_reason in ("stop", "length")
+
+
+def test_cancel_and_deadline_free_pages_on_every_worker(cluster):
+    s = stub(cluster)
+    long = pb.GenerateRequest(prompt_token_ids=list(range(1, 60)), sampling=S(max_tokens=190, temperature=0,
+                                                                              ignore_eos=True))
+    call = s.Generate(long, timeout=120)
+    next(call)
+    call.cancel()
+    st = wait_free(s)
+    assert all(w.free_pages == w.total_pages for w in st.workers), st
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(long, timeout=0.8))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    st = wait_free(s)
+    assert all(w.free_pages == w.total_pages for w in st.workers), st
+
+
+def test_health_reflection_and_loopback_only(cluster):
+    ch = grpc.insecure_channel(cluster.router_address)
+    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Inference")).status \
+        == health_pb2.HealthCheckResponse.SERVING
+    resp = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert "pdcluster.v1.Inference" in {svc.name for svc in resp.list_services_response.service}
+    ours = _descendants(os.getpid()) | {os.getpid()}
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    listeners = []
+    for line in out.splitlines():
+        pids = {int(p.split("=")[1]) for p in line.split("users:")[-1].replace(")", ",").split(",") if p.startswith("pid=")}
+        if pids & ours:
+            listeners.append(line.split()[3])
+    assert listeners, "found none of our listeners: the check would prove nothing"
+    assert cluster.router_address.split(":")[0] == "127.0.0.1"
+    wide = [a for a in listeners if not (a.startswith("127.0.0.1:") or a.startswith("[::ffff:127.0.0.1]:")
+                                         or a.startswith("[::1]:"))]
+    assert not wide, f"listening beyond loopback: {wide}"
