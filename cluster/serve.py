@@ -50,13 +50,21 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:
+        stop.set()
+
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install()
     cluster = Cluster(cfg, address=args.address)
     pools = ", ".join(f"{p.name}: {p.replicas} x {p.role}" for p in cfg.pools)
     print(f"starting pdcluster ({cfg.model}; {pools}; kv over {cfg.transport.kind})", flush=True)
     try:
         address = cluster.start()
+        install()  # ray.init installs its own SIGTERM handler (which exits at once): drain instead
         print(f"serving pdcluster.v1.Inference on {address} (Ctrl-C to stop)", flush=True)
         if args.ready_file:
             Path(args.ready_file).write_text(address)

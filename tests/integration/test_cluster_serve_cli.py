@@ -1,0 +1,41 @@
+"""`pdcluster serve` as users run it: SERVING, `pdcluster generate` and `pdcluster status`
+answer, and SIGTERM drains and stops with exit code 0, leaving no Ray processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a third cluster start (~30 s here); the Ray path is covered by test_cluster_ray
+
+
+def test_serve_generate_status_sigterm(tmp_path, tiny_model):
+    tiny_model("llama")
+    ready = tmp_path / "addr"
+    exe = [sys.executable, "-m", "cluster.cli"]
+    proc = subprocess.Popen(exe + ["serve", "--model", "tiny", "--port", "0", "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+            time.sleep(0.5)
+        addr = ready.read_text()
+        gen = subprocess.run(exe + ["generate", "--address", addr, "hello", "--max-tokens", "5", "--temperature", "0"],
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0 and "finish=length" in gen.stderr, gen.stderr
+        st = subprocess.run(exe + ["status", "--address", addr], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout, st.stdout
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        assert "draining" in out and "stopped" in out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left in the serve session: {left}"
