@@ -1,0 +1,68 @@
+"""deploy/: every manifest parses, each embedded pdcluster config validates, and the config
+model refuses what cannot run (with the field named)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_cluster_yaml_validates():
+    cfg = ClusterConfig.from_yaml(DEPLOY / "cluster.yaml")
+    roles = {p.role: p for p in cfg.pools}
+    assert roles["prefill"].resources.accelerator_type != roles["decode"].resources.accelerator_type  # heterogeneous
+    assert cfg.hash_page_size == roles["prefill"].engine.page_size
+
+
+def test_ray_launcher_has_prefill_and_decode_node_types():
+    doc = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    types = doc["available_node_types"]
+    assert {"prefill", "decode"} <= set(types) and doc["head_node_type"] in types
+    cfg = ClusterConfig.from_yaml(DEPLOY / doc["pdcluster"]["config_file"])
+    for pool in cfg.pools:  # each pool's custom resource exists on some node type
+        for res in pool.resources.custom:
+            assert any(res in t["resources"] for t in types.values()), res
+
+
+def test_kuberay_manifest_and_embedded_config():
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert kinds["RayCluster"]["apiVersion"].startswith("ray.io/")
+    groups = {g["groupName"] for g in kinds["RayCluster"]["spec"]["workerGroupSpecs"]}
+    assert groups == {"prefill", "decode"}
+    cfg = ClusterConfig.model_validate(yaml.safe_load(kinds["ConfigMap"]["data"]["cluster.yaml"]))
+    assert {p.role for p in cfg.pools} == {"prefill", "decode"}
+
+
+def test_dockerfile_serves():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11" in text and "pdcluster" in text and "EXPOSE 50051" in text
+
+
+@pytest.mark.parametrize("pools, needle", [
+    ([{"name": "p", "role": "prefill"}], "decode or colocated"),
+    ([{"name": "d", "role": "decode"}], "prefill pool"),
+    ([{"name": "a", "role": "colocated"}, {"name": "a", "role": "colocated"}], "unique"),
+    ([{"name": "a", "role": "colocated", "replicas": 0}], "replicas"),
+    ([{"name": "a", "role": "colocated", "engine": {"page_size": 0}}], "page_size"),
+    ([{"name": "a", "role": "colocated", "engine": {"tensor_parallel_size": 2}}], "tensor_parallel_size"),
+    ([{"name": "a", "role": "gpu"}], "role"),
+    ([{"name": "a", "role": "colocated", "bogus": 1}], "bogus"),
+])
+def test_invalid_configs_name_the_field(pools, needle):
+    with pytest.raises(pydantic.ValidationError) as err:
+        ClusterConfig.model_validate({"pools": pools})
+    assert needle in str(err.value)
+
+
+def test_router_settings_validate():
+    with pytest.raises(pydantic.ValidationError, match="policy"):
+        ClusterConfig.model_validate({"pools": [{"name": "a", "role": "colocated"}], "router": {"policy": "random"}})
+    with pytest.raises(pydantic.ValidationError, match="port"):
+        ClusterConfig.model_validate({"pools": [{"name": "a", "role": "colocated"}], "router": {"port": 70000}})
