@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/pdcluster demo
+	$(BIN)/pdcluster demo-cluster
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

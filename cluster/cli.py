@@ -9,6 +9,7 @@ import sys
 # (group, name) -> module; group None means a top-level command.
 _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "demo"): ("cluster.demo", "generate text from a built-in model and print timings"),
+    (None, "demo-cluster"): ("cluster.demo_cluster", "serve the embedded default cluster, run concurrent streams, stop"),
     (None, "serve"): ("cluster.serve", "start the cluster (router + prefill/decode pools on Ray) and serve gRPC"),
     (None, "generate"): ("cluster.generate", "stream one answer from a running cluster"),
     (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
