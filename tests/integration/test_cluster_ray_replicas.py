@@ -11,7 +11,7 @@ from tests.integration.test_cluster_ray import _our_ray_processes, run_streams, 
 def test_2_prefill_2_decode_over_grpc_both_replicas_get_work(tiny_model, make_llm):
     c = start_cluster(tiny_model, prefill=2, decode=2, transport="grpc", policy="round-robin")
     try:
-        prompts = random_prompts([4 + 7 * i for i in range(16)], 2048, seed=5)
+        prompts = random_prompts([4 + 7 * i for i in range(32)], 2048, seed=5)
         got = run_streams(c, prompts)
         want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
             prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
