@@ -2,7 +2,13 @@
 
     pick decode (policy) -> admit (pages + descriptor; maybe QUEUED_FOR_PAGES -> wait;
     LOCAL_PREFILL skips the prefill pool) -> pick prefill (policy) -> submit, await the
-    first token -> stream the decode worker's outputs until finished.
+    first token -> send it to the client at once -> stream the decode worker's outputs
+    (minus its copy of that first token) until finished.
+
+The first token goes out as soon as the prefill result arrives, so TTFT does not include the
+KV transfer. Its text comes with the decode worker's copy of it: the decode worker owns the
+incremental detokenizer (stop strings included), so the text stays exactly what a colocated
+run produces; only the ids are sent ahead.
 
 A prefill worker that fails before the first token (error result or a dead worker) gets the
 request retried on another one, under a new worker-side id (`RID~N`) and fresh decode pages:
@@ -59,6 +65,7 @@ class _Live:
     prefill: PrefillHandle | None = None
     worker_rid: str = ""
     done: bool = False
+    first_token: int | None = None  # from the prefill result, sent ahead of the decode stream
     views: list[WorkerView] = field(default_factory=list)
 
 
@@ -96,12 +103,23 @@ class Dispatcher:
         live = _Live()
         try:
             await self._place(req, stats, live)
+            ahead = 0  # ids sent before the decode stream reported them
+            if live.first_token is not None:
+                ahead = 1
+                stats.completion_tokens += 1
+                yield Chunk([live.first_token], "")
             async for out in live.decode.stream(live.worker_rid):
-                if out.new_token_ids or out.new_text:
-                    if not stats.first_output:
+                ids = list(out.new_token_ids)
+                if ids or out.new_text:
+                    if not stats.first_output:  # for a disaggregated request: the transfer is done
                         stats.first_output = time.monotonic()
-                    stats.completion_tokens += len(out.new_token_ids)
-                    yield Chunk(list(out.new_token_ids), out.new_text)
+                    # The decode side's copy of the first token (source PREFILL_WORKER, or the
+                    # re-sampled one after a REPREFILL) was already sent: keep only its text.
+                    drop = min(ahead, len(ids))
+                    ids, ahead = ids[drop:], ahead - drop
+                    stats.completion_tokens += len(ids)
+                    if ids or out.new_text:
+                        yield Chunk(ids, out.new_text)
                 if out.finished:
                     live.done = True
                     if out.finish_reason in ("error", "abort"):
@@ -170,6 +188,7 @@ class Dispatcher:
                 pview.remember(req.block_hashes, _capacity(pview))
                 stats.first_token = time.monotonic()
                 stats.cached_prompt_tokens = result.num_cached_tokens
+                live.first_token = result.first_token
                 return
             log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, stats.attempts,
                         result.error)

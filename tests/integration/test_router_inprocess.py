@@ -252,3 +252,23 @@ def test_health_serving_and_reflection_lists_service(router):
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {svc.name for svc in resp.list_services_response.service}
     assert "pdcluster.v1.Inference" in names and "grpc.health.v1.Health" in names
+
+
+def test_first_token_is_sent_from_the_prefill_result(router, make_llm):
+    """TTFT ends when the prefill worker samples the first token, not when its KV lands."""
+    s = stub(router["main"])
+    prompt = random_prompts([64], 256, seed=11)[0]
+    chunks = list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=S(max_tokens=4, temperature=0,
+                                                                                    ignore_eos=True)), timeout=60))
+    t = chunks[-1].timings
+    assert len(chunks[0].token_ids) == 1
+    assert t.transfer_s > 0 and t.ttft_s + t.transfer_s <= t.e2e_s
+    assert t.ttft_s <= t.queue_s + t.prefill_s + 0.25  # admission only; no transfer inside TTFT
+    # a first token that ends the request: one token, exactly one final chunk
+    want = make_llm(router["model"], page_size=16, num_pages=128).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+    chunks = list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=S(max_tokens=1, temperature=0)),
+                             timeout=60))
+    assert [i for c in chunks for i in c.token_ids] == want.token_ids
+    assert "".join(c.text for c in chunks) == want.text
+    assert sum(1 for c in chunks if c.finish_reason) == 1 and chunks[-1].usage.completion_tokens == 1
