@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from decode_worker.worker import DecodeStage
+    from engine.sampler import TokenLogprobs
     from kv_transfer.descriptor import DestinationDescriptor
 
 
@@ -73,6 +74,9 @@ class DecodeOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     new_text: str = ""
     error: str | None = None
+    # One per new token when params.logprobs is set, else None. The first token's entry is None
+    # when it came from the prefill worker (its logprobs are in the PrefillResult).
+    new_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

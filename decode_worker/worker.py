@@ -61,6 +61,14 @@ class _Entry:
     stage: DecodeStage
 
 
+def _new_logprobs(out) -> list | None:
+    """The logprobs of `out.new_token_ids` (engine outputs carry the whole list so far)."""
+    if out.logprobs is None:
+        return None
+    n = len(out.new_token_ids)
+    return list(out.logprobs[len(out.logprobs) - n:]) if n else []
+
+
 def engine_kv_pool(core: EngineCore, model_id: str) -> KVPool:
     cfg = core.config
     layout = KVLayout(num_layers=cfg.num_layers, page_size=core.page_size, head_start=0,
@@ -215,7 +223,8 @@ class DecodeWorker:
                     del self._entries[out.request_id]
                 result.outputs.append(DecodeOutput(out.request_id, out.new_token_ids, out.token_ids,
                                                    TokenSource.DECODE_WORKER, entry.stage, out.finished,
-                                                   out.finish_reason, out.new_text))
+                                                   out.finish_reason, out.new_text,
+                                                   new_logprobs=_new_logprobs(out)))
             self._decoded.append((time.monotonic(), num_decoded))
         self._drain_releases(result.outputs)
         return result
@@ -250,7 +259,8 @@ class DecodeWorker:
                 entry.stage = DecodeStage.DECODING
             out = req.take_output()
             outputs.append(DecodeOutput(rid, out.new_token_ids, out.token_ids, TokenSource.PREFILL_WORKER,
-                                        entry.stage, out.finished, out.finish_reason, out.new_text))
+                                        entry.stage, out.finished, out.finish_reason, out.new_text,
+                                        new_logprobs=_new_logprobs(out)))
 
     def _drain_releases(self, outputs: list[DecodeOutput]) -> None:
         while True:

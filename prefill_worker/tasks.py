@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer.descriptor import DestinationDescriptor
 
@@ -30,7 +31,7 @@ class PrefillTask:
 class PrefillResult:
     """The first token, reported the step it is sampled (before the transfer completes).
     `ok` is False when the request could not be prefilled or its transfer failed to start;
-    `error` says why."""
+    `error` says why. `first_logprobs` is set when the task's params ask for logprobs."""
 
     request_id: str
     first_token: int | None
@@ -39,6 +40,7 @@ class PrefillResult:
     ttft_s: float | None = None
     ok: bool = True
     error: str | None = None
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(slots=True)

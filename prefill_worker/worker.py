@@ -131,7 +131,7 @@ class PrefillWorker:
         for req, _ in zip(batch.requests, batch.num_new_tokens):
             if req not in sampled:
                 continue
-            token = sampled[req][0]
+            token, logprobs = sampled[req]
             rid = req.request_id
             if rid in starting:
                 status = self.sender.status(rid)
@@ -140,7 +140,8 @@ class PrefillWorker:
                 ok = status is not None and status.state != TransferState.FAILED
                 results.append(PrefillResult(rid, token, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
                                              ttft_s=time.monotonic() - req.metrics.arrival_time, ok=ok,
-                                             error=None if ok else (status.error if status else "no transfer")))
+                                             error=None if ok else (status.error if status else "no transfer"),
+                                             first_logprobs=logprobs))
         self.core.finish_step(batch, sampled)  # retires sampled requests into _held (on_retire)
         for r in results:
             self._tasks.pop(r.request_id, None)

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 class Chunk:
     token_ids: list[int]
     text: str
+    logprobs: list | None = None  # engine.sampler.TokenLogprobs per token id, when asked
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class _Live:
     worker_rid: str = ""
     done: bool = False
     first_token: int | None = None  # from the prefill result, sent ahead of the decode stream
+    first_logprobs: object | None = None  # its engine.sampler.TokenLogprobs, when asked
     views: list[WorkerView] = field(default_factory=list)
 
 
@@ -107,7 +109,7 @@ class Dispatcher:
             if live.first_token is not None:
                 ahead = 1
                 stats.completion_tokens += 1
-                yield Chunk([live.first_token], "")
+                yield Chunk([live.first_token], "", _logprobs(req, [live.first_logprobs]))
             async for out in live.decode.stream(live.worker_rid):
                 ids = list(out.new_token_ids)
                 if ids or out.new_text:
@@ -117,9 +119,10 @@ class Dispatcher:
                     # re-sampled one after a REPREFILL) was already sent: keep only its text.
                     drop = min(ahead, len(ids))
                     ids, ahead = ids[drop:], ahead - drop
+                    lps = out.new_logprobs[drop:] if out.new_logprobs is not None else None
                     stats.completion_tokens += len(ids)
                     if ids or out.new_text:
-                        yield Chunk(ids, out.new_text)
+                        yield Chunk(ids, out.new_text, _logprobs(req, lps))
                 if out.finished:
                     live.done = True
                     if out.finish_reason in ("error", "abort"):
@@ -189,6 +192,7 @@ class Dispatcher:
                 stats.first_token = time.monotonic()
                 stats.cached_prompt_tokens = result.num_cached_tokens
                 live.first_token = result.first_token
+                live.first_logprobs = result.first_logprobs
                 return
             log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, stats.attempts,
                         result.error)
@@ -220,6 +224,15 @@ class Dispatcher:
     async def drain_cleanup(self) -> None:
         if self._cleanup:
             await asyncio.gather(*list(self._cleanup), return_exceptions=True)
+
+
+def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
+    if req.params.logprobs is None:
+        return None
+    if lps is None or any(lp is None for lp in lps):
+        raise RequestError("a worker returned no logprobs for a request that asked for them",
+                           grpc.StatusCode.INTERNAL)
+    return lps
 
 
 def _capacity(view: WorkerView) -> int:

@@ -175,8 +175,7 @@ class Frontend:
         if s.HasField("logprobs"):
             if not 0 <= s.logprobs <= MAX_LOGPROBS:
                 raise RequestError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
-            raise RequestError("sampling.logprobs is not served yet: decode workers do not report logprobs",
-                               grpc.StatusCode.UNIMPLEMENTED)
+            kw["logprobs"] = s.logprobs
         try:
             return SamplingParams(**kw)
         except ValueError as exc:  # the engine's own check, should the ranges above drift

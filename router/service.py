@@ -83,7 +83,10 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     @staticmethod
     def _chunk(rid: str, chunk: Chunk) -> pb.GenerateResponse:
-        return pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text)
+        lps = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+               for lp in chunk.logprobs or ()]
+        return pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, logprobs=lps)
 
     @staticmethod
     def _final(rid: str, s: RequestStats, ttft: float) -> pb.GenerateResponse:

@@ -119,12 +119,18 @@ def test_bad_requests_through_ray_then_serves(cluster):
                          (dict(prompt="a", sampling=S(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(prompt="a", sampling=S(top_p=0)), grpc.StatusCode.INVALID_ARGUMENT),
                          (dict(prompt_token_ids=[1] * 400), grpc.StatusCode.INVALID_ARGUMENT),
-                         (dict(prompt="a", sampling=S(logprobs=3)), grpc.StatusCode.UNIMPLEMENTED)]:
+                         (dict(prompt="a", sampling=S(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT)]:
         with pytest.raises(grpc.RpcError) as err:
             list(s.Generate(pb.GenerateRequest(**fields), timeout=30))
         assert err.value.code() == code, err.value.details()
     ids, last = collect(s, pb.GenerateRequest(prompt="The decode pool", sampling=S(max_tokens=4, temperature=0)))
     assert ids and last.finish_reason in ("stop", "length")
+    # logprobs cross the actors too: one per token, the chosen token's own
+    chunks = list(s.Generate(pb.GenerateRequest(prompt="The decode pool", sampling=S(
+        max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)), timeout=30))
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in lps] == [t for c in chunks for t in c.token_ids] and len(lps) == 4
+    assert all(lp.rank == 1 and len(lp.top) == 2 and lp.logprob <= 0 for lp in lps)
 
 
 def test_cancel_and_deadline_free_pages_on_every_worker(cluster):

@@ -163,7 +163,6 @@ BAD = [
     ("min_p negative", dict(prompt="a", sampling=S(min_p=-0.1)), grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
     ("logprobs > 20", dict(prompt="a", sampling=S(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
     ("logprobs negative", dict(prompt="a", sampling=S(logprobs=-1)), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
-    ("logprobs not served", dict(prompt="a", sampling=S(logprobs=2)), grpc.StatusCode.UNIMPLEMENTED, "logprobs"),
     ("empty stop string", dict(prompt="a", sampling=S(stop=["x", ""])), grpc.StatusCode.INVALID_ARGUMENT, "stop[1]"),
     ("too many stop strings", dict(prompt="a", sampling=S(stop=["s"] * 17)), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     ("stop token >= vocab", dict(prompt="a", sampling=S(stop_token_ids=[5, 4096])), grpc.StatusCode.INVALID_ARGUMENT,
@@ -272,3 +271,22 @@ def test_first_token_is_sent_from_the_prefill_result(router, make_llm):
     assert [i for c in chunks for i in c.token_ids] == want.token_ids
     assert "".join(c.text for c in chunks) == want.text
     assert sum(1 for c in chunks if c.finish_reason) == 1 and chunks[-1].usage.completion_tokens == 1
+
+
+def test_logprobs_match_llm(router, make_llm):
+    """Every token's logprobs (the first from the prefill worker, the rest from the decode
+    worker) equal the colocated engine's."""
+    prompt = random_prompts([40], 256, seed=5)[0]
+    want = make_llm(router["model"], page_size=16, num_pages=128).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    chunks = list(stub(router["main"]).Generate(pb.GenerateRequest(
+        prompt_token_ids=prompt, sampling=S(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)), timeout=60))
+    for c in chunks:
+        assert len(c.logprobs) == len(c.token_ids)
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in got] == want.token_ids and len(want.logprobs) == 6
+    for g, w in zip(got, want.logprobs):
+        assert g.token_id == w.token_id and g.rank == w.rank
+        assert abs(g.logprob - w.logprob) < 1e-4
+        assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+        assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(g.top, w.top))
