@@ -120,7 +120,7 @@ class RouterActor:
         self.server = build_router(cfg.model, prefills, decodes, host=r.host, port=r.port, policy=r.policy,
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
-                                   max_prefill_attempts=r.max_prefill_attempts)
+                                   max_prefill_attempts=r.max_prefill_attempts, warm_up=True)
         return await self.server.start()
 
     async def stop(self, grace_s: float = 5.0) -> None:

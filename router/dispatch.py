@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.worker import DecodeStage
+from engine.sampling_params import SamplingParams
 from prefill_worker.tasks import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
 from router.handles import DecodeHandle, PrefillHandle
@@ -202,6 +203,45 @@ class Dispatcher:
             if stats.attempts >= self.max_prefill_attempts:
                 live.done = True
                 raise RequestError(f"prefill failed on {sorted(tried)}: {result.error}", grpc.StatusCode.UNAVAILABLE)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0) -> int:
+        """One greedy one-token request through every (prefill, decode) pair, so each pair's
+        transfer handshake (connection, compatibility check) is done before the router says
+        SERVING. Pairs run one after another (start-up is not latency-critical and a shared CPU
+        gains nothing from overlap). Colocated workers prefill locally and take no transfers, so
+        they are skipped. Raises RuntimeError naming the pair that failed; returns the number
+        of pairs warmed."""
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values()
+                 if getattr(d, "role", "decode") == "decode"]
+        for prefill, decode in pairs:
+            rid = f"warm-up:{prefill.worker_id}->{decode.worker_id}"
+            try:
+                await asyncio.wait_for(self._warm_pair(prefill, decode, rid, prompt_token_ids, params), timeout_s)
+            except BaseException as exc:
+                await self._abort(decode, prefill, rid)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise RuntimeError(f"warm-up of {prefill.worker_id} -> {decode.worker_id} failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        return len(pairs)
+
+    @staticmethod
+    async def _warm_pair(prefill: PrefillHandle, decode: DecodeHandle, rid: str, prompt: list[int],
+                         params: SamplingParams) -> None:
+        adm = await decode.admit(rid, prompt, params)
+        if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
+            adm = await decode.wait_admitted(rid)
+        if adm.stage != DecodeStage.LOCAL_PREFILL:
+            result = await prefill.submit(PrefillTask(rid, list(prompt), params, [adm.descriptor]))
+            if not result.ok:
+                raise RuntimeError(result.error or "prefill failed")
+        async for out in decode.stream(rid):
+            if out.finished:
+                if out.finish_reason in ("error", "abort"):
+                    raise RuntimeError(f"decode ended with {out.finish_reason}: {out.error or 'no detail'}")
+                return
 
     # ---- cleanup --------------------------------------------------------------------------
     def _abort_later(self, live: _Live) -> None:

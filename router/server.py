@@ -1,6 +1,8 @@
 """`RouterServer`: the grpc.aio server around InferenceService, with the standard health
 service (SERVING once started, NOT_SERVING while draining) and server reflection, plus a
-background task that refreshes worker loads for placement."""
+background task that refreshes worker loads for placement. With `warm_up`, start() first runs
+one tiny request through every prefill/decode pair, so SERVING means every transfer handshake
+is done."""
 from __future__ import annotations
 
 import asyncio
@@ -16,18 +18,20 @@ from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 from router.service import InferenceService
 
 log = logging.getLogger(__name__)
+WARM_UP_PROMPT = [1, 2, 3, 4]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
-                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20) -> None:
+                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20, warm_up: bool = False) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
         self.port: int | None = None
         self.load_refresh_s = load_refresh_s
         self.max_message_bytes = max_message_bytes
+        self.warm_up = warm_up
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task | None = None
@@ -48,6 +52,10 @@ class RouterServer:
         if not self.port:
             raise RuntimeError(f"could not bind the router to {self.host}:{self.requested_port}")
         await self.service.dispatcher.refresh_loads()
+        if self.warm_up:  # every prefill/decode pair has shaken hands before SERVING
+            # A prompt shorter than a page: it leaves nothing in any prefix cache.
+            await self.service.dispatcher.warm_up(WARM_UP_PROMPT)
+            await self.service.dispatcher.refresh_loads()
         await server.start()
         self._server = server
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())

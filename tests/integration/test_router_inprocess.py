@@ -290,3 +290,23 @@ def test_logprobs_match_llm(router, make_llm):
         assert abs(g.logprob - w.logprob) < 1e-4
         assert [t.token_id for t in g.top] == [t for t, _ in w.top]
         assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(g.top, w.top))
+
+
+def test_warm_up_runs_every_pair_before_serving(router):
+    """With warm_up, start() has sent one request through the prefill/decode pair (its
+    transfer handshake done) before health says SERVING, and left every page free."""
+    prefill, decode = router["workers"]
+    before = prefill.num_prefilled
+    main = router["main"]
+    dispatcher = main.service.dispatcher
+    server = router["loop"].run(_start(router["model"], list(dispatcher.prefills.values()),
+                                       list(dispatcher.decodes.values()), max_model_len=256, warm_up=True))
+    try:
+        assert prefill.num_prefilled == before + 1
+        st = wait_free(stub(server))
+        assert all(w.free_pages == w.total_pages for w in st.workers), st
+        ids, _, last = collect(stub(server), pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(
+            max_tokens=3, temperature=0, ignore_eos=True)))
+        assert len(ids) == 3 and last.usage.cached_prompt_tokens == 0
+    finally:
+        router["loop"].run(server.stop(1.0))
