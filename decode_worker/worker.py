@@ -36,7 +36,7 @@ from engine.core import EngineCore
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
-from kv_transfer.layout import KVLayout, KVPool, ModelSpec, dtype_name
+from kv_transfer.layout import KVPool
 from kv_transfer.registry import create_receiver
 from kv_transfer.states import TransferState
 
@@ -70,12 +70,8 @@ def _new_logprobs(out) -> list | None:
 
 
 def engine_kv_pool(core: EngineCore, model_id: str) -> KVPool:
-    cfg = core.config
-    layout = KVLayout(num_layers=cfg.num_layers, page_size=core.page_size, head_start=0,
-                      num_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype_name(core.dtype))
-    spec = ModelSpec(model_id=model_id, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim)
-    return KVPool(layers=core.runner.kv_caches, layout=layout, spec=spec)
+    """The engine's own KV tensors as a transfer pool (registered once, never copied)."""
+    return KVPool.from_tensors(core.runner.kv_caches, model_id)
 
 
 class DecodeWorker:

@@ -130,6 +130,19 @@ class KVPool:
         return self.layers[0].shape[0]
 
     @classmethod
+    def from_tensors(cls, layers: list[torch.Tensor], model_id: str, head_start: int = 0,
+                     num_kv_heads: int | None = None) -> KVPool:
+        """Wrap a worker's existing per-layer KV tensors (registered once, never copied); the
+        layout is read off their shape. `num_kv_heads` is the model's total when a TP rank
+        holds only heads [head_start, head_start + held)."""
+        _, _, page_size, held, head_dim = layers[0].shape
+        layout = KVLayout(num_layers=len(layers), page_size=page_size, head_start=head_start, num_heads=held,
+                          head_dim=head_dim, dtype=dtype_name(layers[0].dtype))
+        spec = ModelSpec(model_id=model_id, num_layers=len(layers), num_kv_heads=num_kv_heads or held,
+                         head_dim=head_dim)
+        return cls(layers=layers, layout=layout, spec=spec)
+
+    @classmethod
     def allocate(cls, spec: ModelSpec, layout: KVLayout, num_pages: int, device: str = "cpu") -> KVPool:
         shape = (num_pages, 2, layout.page_size, layout.num_heads, layout.head_dim)
         dtype = torch_dtype(layout.dtype)

@@ -27,7 +27,7 @@ import torch
 from engine.core import EngineCore
 from engine.request import Request
 from kv_transfer.config import TransferConfig
-from kv_transfer.layout import KVLayout, KVPool, ModelSpec, dtype_name
+from kv_transfer.layout import KVPool
 from kv_transfer.registry import create_sender
 from kv_transfer.states import TransferState
 from prefill_worker.tasks import PrefillLoad, PrefillResult, PrefillTask
@@ -35,12 +35,7 @@ from prefill_worker.tasks import PrefillLoad, PrefillResult, PrefillTask
 
 def engine_kv_pool(core: EngineCore, model_id: str) -> KVPool:
     """The engine's own KV tensors as a transfer pool (registered once, never copied)."""
-    cfg = core.config
-    layout = KVLayout(num_layers=cfg.num_layers, page_size=core.page_size, head_start=0,
-                      num_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype_name(core.dtype))
-    spec = ModelSpec(model_id=model_id, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim)
-    return KVPool(layers=core.runner.kv_caches, layout=layout, spec=spec)
+    return KVPool.from_tensors(core.runner.kv_caches, model_id)
 
 
 class PrefillWorker:
