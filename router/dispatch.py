@@ -116,6 +116,8 @@ class Dispatcher:
                 if ids or out.new_text:
                     if not stats.first_output:  # for a disaggregated request: the transfer is done
                         stats.first_output = time.monotonic()
+                        if stats.local_prefill:  # sampled where it decodes: prefill ends here, no transfer
+                            stats.first_token = stats.first_output
                     # The decode side's copy of the first token (source PREFILL_WORKER, or the
                     # re-sampled one after a REPREFILL) was already sent: keep only its text.
                     drop = min(ahead, len(ids))
@@ -162,7 +164,7 @@ class Dispatcher:
                 adm = await decode.wait_admitted(rid)
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
-                stats.prefill_start = stats.first_token = time.monotonic()
+                stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
             prefills = self._candidates(self.prefills, exclude=tried)
             if not prefills:
