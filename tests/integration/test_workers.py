@@ -124,7 +124,8 @@ def test_parity_with_arrivals_while_decoding(cluster, tiny_model, make_llm, arch
     vocab = 256
     prompts = random_prompts([7, 45, 100, 23], vocab, seed=10)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    # Plain temperature: a top-p cut can flip on the ~1e-6 logit noise between batch compositions.
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=10, ignore_eos=True)
     cluster.add("g0", prompts[0], greedy)
     cluster.add("g1", prompts[1], greedy)
     cluster.pump(lambda: len(cluster.tokens["g0"]) >= 3)  # g0 is decoding on the decode worker
