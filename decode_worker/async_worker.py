@@ -13,37 +13,23 @@ the worker directly, so the event loop is never blocked by a model step.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from decode_worker.types import Admission, DecodeLoad, DecodeOutput
 from decode_worker.worker import DecodeStage, DecodeWorker
+from engine.loop_thread import EngineLoopThread
 from engine.sampling_params import SamplingParams
 
-T = TypeVar("T")
 
-
-class AsyncDecodeWorker:
+class AsyncDecodeWorker(EngineLoopThread):
     def __init__(self, worker: DecodeWorker, idle_s: float = 0.002) -> None:
-        self.worker = worker
-        self._idle_s = idle_s
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._admitted: dict[str, asyncio.Future] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="decode-worker-loop", daemon=True)
-        self._thread.start()
+        super().__init__(worker, "decode-worker-loop", idle_s)
 
     # ---- coroutines -----------------------------------------------------------------------
-    async def _run(self, fn: Callable[[], T]) -> T:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, fut))
-        return await asyncio.wrap_future(fut)
-
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -83,11 +69,6 @@ class AsyncDecodeWorker:
     async def load(self) -> DecodeLoad:
         return await self._run(self.worker.load)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.worker.close()
-
     # ---- the loop thread ------------------------------------------------------------------
     def _resolve(self, request_id: str, adm: Admission) -> None:
         with self._lock:
@@ -103,23 +84,8 @@ class AsyncDecodeWorker:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, out)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                fn, fut = self._calls.get_nowait() if self.worker.has_work else self._calls.get(timeout=self._idle_s)
-            except queue.Empty:
-                fn = None
-            if fn is not None:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except Exception as exc:
-                        fut.set_exception(exc)
-                continue
-            if not self.worker.has_work:
-                continue
-            result = self.worker.step()
-            for adm in result.admissions:
-                self._resolve(adm.request_id, adm)
-            for out in result.outputs:
-                self._deliver(out)
+    def _on_step(self, result) -> None:
+        for adm in result.admissions:
+            self._resolve(adm.request_id, adm)
+        for out in result.outputs:
+            self._deliver(out)

@@ -10,31 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
-import threading
-from collections.abc import Callable
-from typing import TypeVar
 
+from engine.loop_thread import EngineLoopThread
 from prefill_worker.tasks import PrefillLoad, PrefillResult, PrefillTask
 from prefill_worker.worker import PrefillWorker
 
-T = TypeVar("T")
 
-
-class AsyncPrefillWorker:
+class AsyncPrefillWorker(EngineLoopThread):
     def __init__(self, worker: PrefillWorker, idle_s: float = 0.002) -> None:
-        self.worker = worker
-        self._idle_s = idle_s
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._results: dict[str, concurrent.futures.Future] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="prefill-worker-loop", daemon=True)
-        self._thread.start()
-
-    async def _run(self, fn: Callable[[], T]) -> T:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, fut))
-        return await asyncio.wrap_future(fut)
+        super().__init__(worker, "prefill-worker-loop", idle_s)
 
     async def submit(self, task: PrefillTask) -> PrefillResult:
         result: concurrent.futures.Future = concurrent.futures.Future()
@@ -58,27 +43,8 @@ class AsyncPrefillWorker:
     async def load(self) -> PrefillLoad:
         return await self._run(self.worker.load)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.worker.close()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            busy = self.worker.has_work
-            try:
-                fn, fut = self._calls.get_nowait() if busy else self._calls.get(timeout=self._idle_s)
-            except queue.Empty:
-                fn = None
-            if fn is not None:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except Exception as exc:
-                        fut.set_exception(exc)
-                continue
-            if busy:
-                for r in self.worker.step():
-                    fut = self._results.pop(r.request_id, None)
-                    if fut is not None:
-                        fut.set_result(r)
+    def _on_step(self, results: list[PrefillResult]) -> None:
+        for r in results:
+            fut = self._results.pop(r.request_id, None)
+            if fut is not None:
+                fut.set_result(r)
