@@ -17,8 +17,15 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
     ("bench", "workers"): ("bench.workers_bench", "prefill + decode workers vs colocated: second-token latency, ITL"),
+    ("bench", "serve"): ("bench.serve.cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),
+    ("bench", "disagg-vs-colocated"): ("bench.disagg_vs_colocated", "the experiment: 1P+1D vs 2 colocated on a trace"),
+    ("plan", "profile"): ("cluster.planning.profile_cli", "profile the real engine here and fit a latency model"),
+    ("plan", "simulate"): ("cluster.planning.simulate_cli", "discrete-event simulation of a cluster config on a workload"),
+    ("plan", "search"): ("cluster.planning.search_cli", "search pool configurations under SLOs and a hardware budget"),
+    ("plan", "validate"): ("cluster.planning.validate_cli", "profile, simulate, run the real cluster, compare"),
 }
-_GROUPS = {"model": "built-in models", "bench": "benchmarks (not tests): ratios against same-run baselines"}
+_GROUPS = {"model": "built-in models", "plan": "capacity planning: profile, simulate, search, validate",
+           "bench": "benchmarks (not tests): ratios against same-run baselines"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a command whose module is not built yet
-            if exc.name != module_name:
+            if not exc.name or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
                 raise
             sub.set_defaults(_run=lambda args, m=module_name: _missing(m))
             continue
