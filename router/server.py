@@ -2,7 +2,7 @@
 service (SERVING once started, NOT_SERVING while draining) and server reflection, plus a
 background task that refreshes worker loads for placement. With `warm_up`, start() first runs
 one tiny request through every prefill/decode pair, so SERVING means every transfer handshake
-is done."""
+is done. With `metrics_port`, it also serves Prometheus text at /metrics (router.metrics)."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +24,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
-                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20, warm_up: bool = False) -> None:
+                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20, warm_up: bool = False,
+                 metrics_port: int | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
@@ -32,6 +33,8 @@ class RouterServer:
         self.load_refresh_s = load_refresh_s
         self.max_message_bytes = max_message_bytes
         self.warm_up = warm_up
+        self.metrics_port = metrics_port  # None: no /metrics endpoint; 0: a free port
+        self.metrics_url = ""
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task | None = None
@@ -58,6 +61,10 @@ class RouterServer:
             await self.service.dispatcher.refresh_loads()
         await server.start()
         self._server = server
+        if self.metrics_port is not None:
+            port = self.service.metrics.serve(self.host, self.metrics_port)
+            self.metrics_url = f"http://{self.host}:{port}/metrics"
+            log.info("router metrics on %s", self.metrics_url)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -82,6 +89,7 @@ class RouterServer:
             await self._server.stop(grace_s)
             self._server = None
         await self.service.dispatcher.drain_cleanup()
+        self.service.metrics.close()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

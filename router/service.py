@@ -14,6 +14,7 @@ import grpc
 
 from router.dispatch import Chunk, Dispatcher, RequestStats
 from router.frontend import Frontend, RequestError
+from router.metrics import RouterMetrics, log_request
 from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
@@ -34,52 +35,92 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.served = 0
         self.failed = 0
         self.draining = False
+        self.metrics = RouterMetrics(lambda: dispatcher.views)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
             prepared = self.frontend.prepare(request)
         except RequestError as exc:
-            await context.abort(exc.code, str(exc))
+            await self._abort(context, exc.code, str(exc))
         rid = prepared.request_id
         if rid in self._active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
         if self._running >= self.max_inflight and self._waiting >= self.max_queue:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the admission queue is full ({self._waiting} waiting, max_queue={self.max_queue}, "
                                 f"{self._running} running, max_inflight={self.max_inflight}); retry later")
         self._active.add(rid)
         stats = RequestStats(arrival=arrival)
         self._waiting += 1
+        m = self.metrics
+        m.waiting.inc()
         acquired = False
         try:
             await self._slots.acquire()
             acquired = True
             self._waiting -= 1
             self._running += 1
+            m.waiting.dec()
+            m.running.inc()
             stats.admitted = time.monotonic()
-            ttft = 0.0
+            ttft, last = 0.0, 0.0
             async for chunk in self.dispatcher.generate(prepared, stats):
+                now = time.monotonic()
                 if not ttft:
-                    ttft = time.monotonic() - arrival
+                    ttft = now - arrival
+                    m.ttft.observe(ttft)
+                else:
+                    m.itl.observe(now - last)
+                last = now
                 yield self._chunk(rid, chunk)
-            yield self._final(rid, stats, ttft)
+            final = self._final(rid, stats, ttft)
+            yield final
             self.served += 1
+            self._observe_finished(rid, stats, final)
         except RequestError as exc:
             self.failed += 1
-            await context.abort(exc.code, str(exc))
+            self._log(rid, stats, {"error": exc.code.name})
+            await self._abort(context, exc.code, str(exc))
         except asyncio.CancelledError:
             self.failed += 1
+            m.errors.labels(code=grpc.StatusCode.CANCELLED.name).inc()
+            self._log(rid, stats, {"error": grpc.StatusCode.CANCELLED.name})
             raise
         finally:
             if acquired:
                 self._running -= 1
+                m.running.dec()
                 self._slots.release()
             else:
                 self._waiting -= 1
+                m.waiting.dec()
             self._active.discard(rid)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.errors.labels(code=code.name).inc()
+        await context.abort(code, message)
+
+    def _observe_finished(self, rid: str, s: RequestStats, final: pb.GenerateResponse) -> None:
+        m, t = self.metrics, final.timings
+        m.e2e.observe(t.e2e_s)
+        m.queue.observe(t.queue_s)
+        m.prefill.observe(t.prefill_s)
+        if not s.local_prefill:
+            m.transfer.observe(t.transfer_s)
+        m.requests.labels(finish_reason=s.finish_reason).inc()
+        m.prompt_tokens.inc(s.prompt_tokens)
+        m.generation_tokens.inc(s.completion_tokens)
+        self._log(rid, s, {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s,
+                           "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "finish_reason": s.finish_reason})
+
+    @staticmethod
+    def _log(rid: str, s: RequestStats, extra: dict) -> None:
+        log_request({"request_id": rid, "prefill_worker": s.prefill_worker, "decode_worker": s.decode_worker,
+                     "local_prefill": s.local_prefill, "attempts": s.attempts, "prompt_tokens": s.prompt_tokens,
+                     "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_prompt_tokens, **extra})
 
     @staticmethod
     def _chunk(rid: str, chunk: Chunk) -> pb.GenerateResponse:

@@ -1,0 +1,95 @@
+"""Prometheus metrics and per-request log lines of one router.
+
+Each router owns a `RouterMetrics` with its own CollectorRegistry (never the global one), so
+several routers in one process, or a test's routers, never collide. The service observes
+request histograms and counters on its hot path (one histogram observation per chunk at
+most); worker gauges are read at scrape time from the load views the dispatcher already
+refreshes for placement, so a scrape costs no worker RPC. `serve(host, port)` exposes the
+registry as text at http://host:port/metrics.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.policy import WorkerView
+
+request_log = logging.getLogger("pdcluster.requests")
+
+# 1 ms .. ~60 s, roughly x2.5 per bucket
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+
+
+class WorkerCollector(Collector):
+    """Worker gauges labelled {worker, pool, role}, read off the dispatcher's load views."""
+
+    def __init__(self, views: Callable[[], Mapping[str, WorkerView]]) -> None:
+        self._views = views
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["worker", "pool", "role"]
+        fams = {name: GaugeMetricFamily(f"pdcluster_{name}", doc, labels=labels) for name, doc in (
+            ("kv_pages_used", "KV pages in use (total - free)"),
+            ("kv_pages_free", "free KV pages"),
+            ("kv_pages_total", "KV pages of the worker"),
+            ("worker_running_requests", "requests running on the worker"),
+            ("worker_waiting_requests", "requests waiting on the worker (queued, for pages or for KV)"),
+            ("prefix_cache_hit_rate", "prefix-cache hit rate, 0..1"),
+            ("worker_healthy", "1 when the last load refresh answered"))}
+        for v in list(self._views().values()):
+            ld, lv = v.load, [v.worker_id, v.pool, v.role]
+            fams["worker_healthy"].add_metric(lv, 1.0 if v.healthy else 0.0)
+            if ld is None:
+                continue
+            total, free = getattr(ld, "total_pages", 0), getattr(ld, "free_pages", 0)
+            fams["kv_pages_total"].add_metric(lv, total)
+            fams["kv_pages_free"].add_metric(lv, free)
+            fams["kv_pages_used"].add_metric(lv, total - free)
+            fams["worker_running_requests"].add_metric(lv, getattr(ld, "running_requests", 0))
+            fams["worker_waiting_requests"].add_metric(
+                lv, getattr(ld, "waiting_requests", getattr(ld, "queued_requests", 0)))
+            fams["prefix_cache_hit_rate"].add_metric(lv, getattr(ld, "prefix_cache_hit_rate", 0.0))
+        yield from fams.values()
+
+
+class RouterMetrics:
+    def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        h = lambda name, doc: Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
+        self.ttft = h("pdcluster_request_ttft_seconds", "arrival to the first token sent")
+        self.itl = h("pdcluster_request_itl_seconds", "gap between consecutive chunks sent")
+        self.e2e = h("pdcluster_request_e2e_seconds", "arrival to the final response")
+        self.queue = h("pdcluster_request_queue_seconds", "wait for an admission slot")
+        self.prefill = h("pdcluster_request_prefill_seconds", "prefill submit to its first token")
+        self.transfer = h("pdcluster_kv_transfer_seconds", "first token to the decode worker's first output")
+        self.requests = Counter("pdcluster_requests", "finished requests", ["finish_reason"], registry=r)
+        self.errors = Counter("pdcluster_request_errors", "refused or failed requests", ["code"], registry=r)
+        self.prompt_tokens = Counter("pdcluster_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdcluster_generation_tokens", "tokens generated and sent", registry=r)
+        self.running = Gauge("pdcluster_router_running_requests", "requests holding an admission slot", registry=r)
+        self.waiting = Gauge("pdcluster_router_waiting_requests", "requests waiting for a slot", registry=r)
+        if views is not None:
+            r.register(WorkerCollector(views))
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0 picks a free port); returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def log_request(fields: dict) -> None:
+    """One JSON line per finished (or failed) request on logger `pdcluster.requests`."""
+    if request_log.isEnabledFor(logging.INFO):
+        request_log.info(json.dumps(fields, separators=(",", ":")))

@@ -1,0 +1,121 @@
+"""The router's /metrics endpoint, in one process in front of real prefill and decode workers
+over the `local` transport: latency histograms count exactly the requests and chunks sent,
+finish reasons and error codes are counted, KV gauges per worker add up (used + free = total)
+and used pages fall back to the idle level once the requests finish; one JSON log line per
+finished request."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
+from decode_worker import AsyncDecodeWorker, DecodeWorker
+from kv_transfer.config import TransferConfig
+from kv_transfer.local import LocalHub
+from prefill_worker import AsyncPrefillWorker, PrefillWorker
+from proto.pdcluster.v1 import inference_pb2 as pb
+from router.app import build_router
+from tests.conftest import register_engine
+from tests.integration.test_router_inprocess import ENGINE, Loop, collect, stub
+
+S = pb.SamplingParams
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def per_worker(samples, name) -> dict[str, float]:
+    return {dict(k[1])["worker"]: v for k, v in samples.items() if k[0] == name}
+
+
+@pytest.fixture(scope="module")
+def metrics_router(tiny_model):
+    model = tiny_model("llama")
+    hub, cfg = LocalHub(), TransferConfig(deadline_s=20)
+    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
+                            page_size=16, num_pages=64, **ENGINE)
+    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
+                          page_size=16, num_pages=64, **ENGINE)
+    for w in (prefill, decode):
+        register_engine(w.core)
+    ph, dh = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0"), LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
+    loop = Loop()
+    server = build_router(model, [ph], [dh], max_model_len=256)
+    server.metrics_port = 0
+    loop.run(server.start())
+    yield server
+    loop.run(server.stop(1.0))
+    ph.close(), dh.close()
+    loop.close()
+
+
+def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
+    url = metrics_router.metrics_url
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    idle = scrape(url)
+    idle_used = per_worker(idle, "pdcluster_kv_pages_used")
+    assert set(idle_used) == {"prefill-0", "decode-0"}
+    s = stub(metrics_router)
+    during: list[dict] = []
+    long_req = pb.GenerateRequest(prompt_token_ids=list(range(1, 41)),
+                                  sampling=S(max_tokens=48, temperature=0, ignore_eos=True))
+    chunks_long: list = []
+    t = threading.Thread(target=lambda: chunks_long.extend(s.Generate(long_req, timeout=60)))
+    caplog.set_level(logging.INFO, logger="pdcluster.requests")
+    t.start()
+    deadline = time.monotonic() + 30
+    while t.is_alive() and time.monotonic() < deadline:  # scrape while it streams
+        snap = scrape(url)
+        # worker gauges lag by one load refresh (0.1 s): wait until they show the request's pages
+        if (value(snap, "pdcluster_router_running_requests") >= 1
+                and per_worker(snap, "pdcluster_kv_pages_used")["decode-0"] > idle_used["decode-0"]):
+            during.append(snap)
+            break
+        time.sleep(0.02)
+    responses = [list(s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(2, 2 + n)), sampling=S(
+        max_tokens=k, temperature=0, ignore_eos=True)), timeout=60)) for n, k in ((5, 3), (20, 3), (3, 1))]
+    with pytest.raises(grpc.RpcError) as err:
+        collect(s, pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=S(max_tokens=3, temperature=-1)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    t.join(60)
+    assert during, "no scrape saw the long request running with its decode pages in use"
+
+    responses.append(chunks_long)
+    time.sleep(0.3)  # two load refreshes
+    after = scrape(url)
+    n_ok = 4
+    assert value(after, "pdcluster_request_ttft_seconds_count") == n_ok
+    assert value(after, "pdcluster_request_e2e_seconds_count") == n_ok
+    assert value(after, "pdcluster_requests_total", finish_reason="length") == n_ok
+    assert value(after, "pdcluster_request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert value(after, "pdcluster_generation_tokens_total") == 48 + 3 + 3 + 1
+    assert value(after, "pdcluster_prompt_tokens_total") == 40 + 5 + 20 + 3
+    # every gap between chunks sent: (data chunks - 1) per request; the last response carries usage only
+    gaps = sum(len(r) - 2 for r in responses)
+    assert gaps >= 2 and value(after, "pdcluster_request_itl_seconds_count") == gaps
+    assert value(after, "pdcluster_router_running_requests") == 0
+    for name in ("pdcluster_kv_pages_used", "pdcluster_kv_pages_free", "pdcluster_kv_pages_total"):
+        assert set(per_worker(after, name)) == {"prefill-0", "decode-0"}
+    used, free, total = (per_worker(after, f"pdcluster_kv_pages_{k}") for k in ("used", "free", "total"))
+    for w in total:
+        assert used[w] + free[w] == total[w] > 0
+    assert used == idle_used
+    assert per_worker(after, "pdcluster_worker_healthy") == {"prefill-0": 1.0, "decode-0": 1.0}
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdcluster.requests"]
+    done = [l for l in lines if "finish_reason" in l]
+    assert len(done) == n_ok and all(l["prefill_worker"] == "prefill-0" and l["e2e_s"] >= l["ttft_s"] > 0 for l in done)
+    assert {l["completion_tokens"] for l in done} == {48, 3, 1}
