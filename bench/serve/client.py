@@ -1,0 +1,110 @@
+"""Load client: sends a Workload to a pdcluster.v1.Inference endpoint over grpc.aio, each
+request at its arrival time (optionally capped by --max-concurrency), and records per-chunk
+receive times plus the server's usage/timings/placement from the final chunk.
+
+Queue depth (requests in flight, and requests waiting for a concurrency slot) is sampled on
+every change, so plots show how load built up.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.serve.metrics import RequestRecord
+from bench.serve.workloads import Workload, WorkloadRequest
+from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Timeline:
+    """(time offset, in flight, waiting for concurrency) after every change."""
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+
+
+async def model_info(address: str, timeout_s: float = 10.0) -> pb.ModelInfoResponse:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await pb_grpc.InferenceStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=timeout_s)
+
+
+async def run_benchmark(address: str, workload: Workload, *, max_concurrency: int | None = None,
+                        progress: bool = True, timeout_s: float = 600.0,
+                        run_tag: str = "bench") -> tuple[list[RequestRecord], float, Timeline]:
+    """Run the workload; prompt_token_ids must be materialized. Returns records (in workload
+    order), the run's duration (first send to last finish) and the queue-depth timeline."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if any(r.prompt_token_ids is None for r in workload.requests):
+        raise ValueError("workload prompts are not materialized (call materialize_prompts)")
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(workload.requests), disable=not progress, unit="req")
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    timeline = Timeline()
+    state = {"in_flight": 0, "waiting": 0}
+    t0 = time.perf_counter()
+
+    def note(key: str, delta: int) -> None:
+        state[key] += delta
+        timeline.samples.append((time.perf_counter() - t0, state["in_flight"], state["waiting"]))
+
+    async def one(stub: pb_grpc.InferenceStub, req: WorkloadRequest) -> RequestRecord:
+        await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
+        note("waiting", +1)
+        if sem:
+            await sem.acquire()
+        note("waiting", -1)
+        note("in_flight", +1)
+        try:
+            return await _send(stub, req, t0, timeout_s, f"{run_tag}-{req.index}")
+        finally:
+            if sem:
+                sem.release()
+            note("in_flight", -1)
+            bar.update(1)
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        records = await asyncio.gather(*(one(stub, r) for r in workload.requests))
+    bar.close()
+    return list(records), max(time.perf_counter() - t0, 1e-9), timeline
+
+
+async def _send(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, timeout_s: float,
+                request_id: str) -> RequestRecord:
+    sampling = pb.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+    msg = pb.GenerateRequest(request_id=request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling)
+    start = time.perf_counter()
+    rec = RequestRecord(index=req.index, request_id=request_id, scheduled_s=req.arrival_s, start_s=start - t0,
+                        prompt_len=req.prompt_len, max_tokens=req.output_len)
+    last = None
+    try:
+        async for chunk in stub.Generate(msg, timeout=timeout_s):
+            now = time.perf_counter() - start
+            if chunk.token_ids:
+                rec.chunk_times_s.append(now)
+                rec.output_tokens += len(chunk.token_ids)
+            last = chunk
+    except grpc.aio.AioRpcError as exc:
+        rec.error = exc.code().name
+        return rec
+    if not rec.chunk_times_s or last is None:
+        rec.error = "NO_TOKENS"
+        return rec
+    rec.ok = True
+    rec.ttft_s, rec.e2e_s = rec.chunk_times_s[0], rec.chunk_times_s[-1]
+    if last.HasField("usage"):
+        rec.output_tokens = last.usage.completion_tokens or rec.output_tokens
+        rec.cached_tokens = last.usage.cached_prompt_tokens
+    t, p = last.timings, last.placement
+    rec.server = {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s,
+                  "server_ttft_s": t.ttft_s, "server_e2e_s": t.e2e_s, "prefill_worker": p.prefill_worker,
+                  "decode_worker": p.decode_worker, "local_prefill": p.local_prefill, "attempts": p.attempts}
+    return rec
+
+
+def run_benchmark_sync(address: str, workload: Workload, **kwargs) -> tuple[list[RequestRecord], float, Timeline]:
+    return asyncio.run(run_benchmark(address, workload, **kwargs))

@@ -1,0 +1,77 @@
+"""`bench serve` against a real in-process router with one prefill and one decode worker on
+the built-in tiny llama (local KV transfer), over gRPC on loopback."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.serve.client import model_info, run_benchmark_sync
+from bench.serve.metrics import summarize
+from bench.serve.report import format_table, write_json
+from bench.serve.workloads import build_workload, materialize_prompts
+from cluster.cli import main as pdcluster_main
+from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
+from decode_worker import AsyncDecodeWorker, DecodeWorker
+from kv_transfer.config import TransferConfig
+from kv_transfer.local import LocalHub
+from prefill_worker import AsyncPrefillWorker, PrefillWorker
+from tests.conftest import register_engine
+from tests.integration.test_router_inprocess import ENGINE, Loop, _start
+
+
+@pytest.fixture(scope="module")
+def address(tiny_model):
+    model = tiny_model("llama")
+    hub, cfg = LocalHub(), TransferConfig(deadline_s=20)
+    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
+                            page_size=16, num_pages=128, **ENGINE)
+    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
+                          page_size=16, num_pages=128, **ENGINE)
+    for w in (prefill, decode):
+        register_engine(w.core)
+    ph, dh = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0"), LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
+    loop = Loop()
+    server = loop.run(_start(model, [ph], [dh], max_model_len=256))
+    yield server.address
+    loop.run(server.stop(1.0))
+    ph.close(), dh.close()
+    loop.close()
+
+
+def test_random_workload_end_to_end(address, tmp_path):
+    import asyncio
+    info = asyncio.run(model_info(address))
+    wl = build_workload("random", num_requests=12, input_range=(8, 40), output_range=(4, 12), request_rate=20.0,
+                        max_model_len=info.max_model_len, seed=1)
+    materialize_prompts(wl, info.vocab_size, seed=1)
+    records, duration, timeline = run_benchmark_sync(address, wl, max_concurrency=6, progress=False)
+    assert [r.error for r in records if not r.ok] == []
+    for r, req in zip(records, wl.requests):
+        assert r.ttft_s is not None and r.chunk_times_s and r.ttft_s <= r.e2e_s
+        assert r.output_tokens == req.output_len  # ignore_eos: every requested token comes back
+        assert r.start_s >= r.scheduled_s - 1e-3
+        assert r.server["decode_worker"] == "decode-0"
+    assert max(depth for _, depth, _ in timeline.samples) >= 1 and timeline.samples[-1][1] == 0
+    s = summarize(records, duration, slo={"ttft": 60_000.0})
+    assert s["completed"] == 12 and s["failed"] == 0 and s["good_requests"] == 12
+    assert 0 < s["ttft_ms"]["mean"] <= s["e2e_ms"]["mean"] and s["itl_ms"]["count"] > 0
+    assert s["output_throughput"] > 0
+    table = format_table(s)
+    assert "Serving Benchmark Result" in table and "Mean TTFT (ms):" in table
+    write_json(tmp_path / "out.json", s, records, {"test": True})
+    assert len(json.loads((tmp_path / "out.json").read_text())["requests"]) == 12
+
+
+def test_cli_writes_json(address, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = pdcluster_main(["bench", "serve", "--address", address, "--num-requests", "6", "--request-rate", "30",
+                         "--random-input-len", "8:24", "--random-output-len", "3:6", "--no-progress",
+                         "--goodput", "ttft:60000", "--json", str(out), "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    assert "Successful requests:" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
+    assert doc["config"]["num_requests"] == 6 and len(doc["requests"]) == 6
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
+        "itl_cdf.png", "queue_depth.png", "throughput_over_time.png", "ttft_cdf.png"]
