@@ -121,7 +121,12 @@ class RouterActor:
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
                                    max_prefill_attempts=r.max_prefill_attempts, warm_up=True)
+        self.server.metrics_port = r.metrics_port
         return await self.server.start()
+
+    def metrics_url(self) -> str:
+        """http://host:port/metrics of the router, or "" when metrics are off."""
+        return self.server.metrics_url if self.server is not None else ""
 
     async def stop(self, grace_s: float = 5.0) -> None:
         if self.server is not None:

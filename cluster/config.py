@@ -83,6 +83,9 @@ class RouterSettings(_Strict):
     max_queue: int = Field(256, ge=0)
     max_prefill_attempts: int = Field(2, ge=1, le=8)
     num_cpus: float = Field(1.0, ge=0)
+    metrics_port: int | None = Field(None, ge=0, le=65535,
+                                     description="Prometheus /metrics port on the router host; 0 picks a free one, "
+                                                 "None (default) serves no metrics")
 
 
 class ClusterConfig(_Strict):

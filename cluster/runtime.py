@@ -32,6 +32,7 @@ class Cluster:
     address: str | None = None          # a Ray address to join; None starts a local one
     workers: list[WorkerRecord] = field(default_factory=list)
     router_address: str = ""
+    metrics_url: str = ""               # the router's Prometheus endpoint; "" when router.metrics_port is None
     _router: object = None
     _pgs: list = field(default_factory=list)
     _started_ray: bool = False
@@ -79,6 +80,7 @@ class Cluster:
                                                            max_concurrency=10000).remote(cfg, prefills, decodes)
             self.router_address = ray.get(self._router.start.remote(), timeout=max(deadline - time.monotonic(), 1))
             wait_serving(self.router_address, max(deadline - time.monotonic(), 1))
+            self.metrics_url = ray.get(self._router.metrics_url.remote(), timeout=10)
         except BaseException:
             self.stop()
             raise

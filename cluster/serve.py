@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=("round-robin", "least-loaded", "prefix-aware"))
     parser.add_argument("--address", help="Ray address to join (default: start a local cluster on 127.0.0.1)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get to finish on stop")
+    parser.add_argument("--metrics-port", type=int, default=9464,
+                        help="Prometheus /metrics port on the router host (default 9464; 0 picks a free one; -1 off)")
     parser.add_argument("--ready-file", help="write the router address here once SERVING")
 
 
@@ -37,6 +39,9 @@ def load_config(args: argparse.Namespace):
     if args.model:
         updates["model"] = args.model
     router = {k: v for k, v in (("host", args.host), ("port", args.port), ("policy", args.policy)) if v is not None}
+    metrics_port = getattr(args, "metrics_port", None)
+    if metrics_port is not None:
+        router["metrics_port"] = None if metrics_port < 0 else metrics_port
     if router:
         updates["router"] = cfg.router.model_copy(update=router)
     if args.kv_transport:
@@ -66,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         address = cluster.start()
         install()  # ray.init installs its own SIGTERM handler (which exits at once): drain instead
         print(f"serving pdcluster.v1.Inference on {address} (Ctrl-C to stop)", flush=True)
+        if cluster.metrics_url:
+            print(f"metrics at {cluster.metrics_url}", flush=True)
         if args.ready_file:
             Path(args.ready_file).write_text(address)
         while not stop.wait(0.5):
