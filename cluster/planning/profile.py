@@ -1,0 +1,75 @@
+"""Profile the real engine on this machine and fit a `LatencyModel` to the step times.
+
+Prefill steps are timed by new tokens and cached-prefix length (the prefix is prefilled once
+first, so prefix caching serves it), decode steps by batch size and context. One torch thread,
+as each cluster worker runs. KV transfer is not measured here yet: the transfer terms stay at
+the LatencyModel defaults (see docs/capacity-planning.md).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from cluster.planning.fit import fit_decode, fit_prefill
+from cluster.planning.latency import LatencyModel
+
+FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024), "cached": (0, 256, 512),
+        "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256), "decode_steps": 4}
+QUICK = {"prefill_tokens": (16, 32, 64, 128), "cached": (0, 64), "batch": (1, 2, 4, 8),
+         "ctx_per_seq": (32, 96), "decode_steps": 3}
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0) -> dict:
+    from engine import SamplingParams
+    from engine.core import EngineCore
+
+    torch.set_num_threads(1)
+    grid = QUICK if quick else FULL
+    budget = max(grid["prefill_tokens"]) + max(grid["cached"]) + 16
+    eng = EngineCore(model, dtype=dtype, detokenize=False, max_num_batched_tokens=budget,
+                     max_model_len=budget + 64, max_num_seqs=max(grid["batch"]))
+    vocab = eng.config.vocab_size
+    rng = random.Random(seed)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng.add_request(_prompt(rng, 32, vocab), one)  # warm-up
+    while eng.has_unfinished_requests():
+        eng.step()
+    prefill, decode = [], []
+    shapes = [(t, c) for c in grid["cached"] for t in grid["prefill_tokens"]]
+    for t, c in tqdm(shapes, desc="prefill", leave=False):
+        prefix = _prompt(rng, c, vocab)
+        if c:
+            eng.add_request(prefix, one)
+            while eng.has_unfinished_requests():
+                eng.step()
+        eng.add_request(prefix + _prompt(rng, t, vocab), one)
+        t0 = time.perf_counter()
+        eng.step()
+        prefill.append((t, c, time.perf_counter() - t0))
+        while eng.has_unfinished_requests():
+            eng.step()
+    for b in tqdm(grid["batch"], desc="decode", leave=False):
+        for L in grid["ctx_per_seq"]:
+            steps = grid["decode_steps"]
+            for _ in range(b):
+                eng.add_request(_prompt(rng, L, vocab), SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+            eng.step()  # the whole batch prefills in one step (budget allows it)
+            for k in range(steps):
+                t0 = time.perf_counter()
+                eng.step()
+                decode.append((b, b * (L + 1 + k), time.perf_counter() - t0))
+            while eng.has_unfinished_requests():
+                eng.step()
+    fp, fd = fit_prefill(prefill), fit_decode(decode)
+    kv = eng.config.kv_bytes_per_token * torch.finfo(getattr(torch, dtype)).bits // 8
+    lm = LatencyModel(prefill=fp.coef, decode=fd.coef, kv_bytes_per_token=kv, max_batched_tokens=budget,
+                      source=f"profile:{model}:{dtype}", meta={"threads": 1, "quick": quick})
+    return {"latency_model": lm.to_json(), "fit": {"prefill": fp.as_dict(), "decode": fd.as_dict()},
+            "points": {"prefill": prefill, "decode": decode}, "model": model, "dtype": dtype}

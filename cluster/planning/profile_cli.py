@@ -1,0 +1,36 @@
+"""`pdcluster plan profile`: profile the real engine here, or cross-check the roofline on H100 data."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bench", help="built-in preset or checkpoint folder (default bench)")
+    parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--quick", action="store_true", help="small grid (for tests with the tiny preset)")
+    parser.add_argument("--crosscheck-h100", action="store_true",
+                        help="instead: roofline vs Vidur H100 Llama-2 7B/70B MLP profiles, print the errors")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.crosscheck_h100:
+        from cluster.planning.roofline import crosscheck_vidur, data_dir
+
+        for m in ("Llama-2-7b-hf", "Llama-2-70b-hf"):
+            path = data_dir() / "profiles" / "h100" / m / "mlp.csv"
+            if not path.is_file():
+                print(f"{path} not found (set PDCLUSTER_DATA)")
+                return 1
+            print(json.dumps({"model": m, **crosscheck_vidur(path)}))
+        return 0
+    from cluster.planning.profile import profile_engine
+
+    res = profile_engine(args.model, args.dtype, args.quick)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    for k, f in res["fit"].items():
+        print(f"{k}: coef={f['coef']} r2={f['r2']:.3f} max_rel_err={f['max_rel_err']:.2f} n={f['n']}")
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,40 @@
+"""Fits recover known coefficients; a quick real profile of the tiny model gives a loadable model."""
+import random
+
+import pytest
+
+from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
+from cluster.planning.latency import LatencyModel
+from cluster.planning.profile_cli import add_arguments, run
+
+
+def test_fit_recovers_coefficients_with_noise():
+    rng = random.Random(0)
+    p = (2e-3, 5e-5, 1e-8, 2e-8)
+    pts = [(t, c, (p[0] + p[1] * t + p[2] * t * t + p[3] * t * c) * (1 + rng.gauss(0, 0.01)))
+           for t in (16, 64, 256, 1024, 2048) for c in (0, 512, 2048)]
+    res = fit_prefill(pts)
+    assert res.r2 > 0.99 and res.max_rel_err < 0.05
+    for got, want in zip(res.coef[1:3], p[1:3]):
+        assert got == pytest.approx(want, rel=0.2)
+    d = fit_decode([(b, b * L, 3e-3 + 1e-4 * b + 1e-7 * b * L) for b in (1, 4, 16) for L in (100, 1000)])
+    assert d.coef == pytest.approx((3e-3, 1e-4, 1e-7), rel=1e-6)
+    x = fit_transfer([(n, 1e-3 + n / 5e9) for n in (1 << 10, 1 << 20, 1 << 26)])
+    assert x.coef == pytest.approx((1e-3, 5e9), rel=1e-6)
+
+
+def test_fit_rejects_too_few_points():
+    with pytest.raises(ValueError, match="at least 4 points"):
+        fit_prefill([(1, 0, 1.0)])
+
+
+def test_quick_profile_of_tiny_model_is_loadable(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "p.json"
+    assert run(parser.parse_args(["--model", "tiny", "--quick", "--out", str(out)])) == 0
+    lm = LatencyModel.load(out)
+    assert lm.prefill[1] > 0 and lm.kv_bytes_per_token > 0
+    assert lm.prefill_time(128) > lm.prefill_time(16) > 0

@@ -1,0 +1,46 @@
+"""Roofline figures for Llama-2-7B on H100 against hand-computed values, and the Vidur cross-check."""
+import pytest
+
+from cluster.planning.hardware import get_gpu
+from cluster.planning.roofline import (Roofline, crosscheck_vidur, data_dir, kv_bytes_per_token, model_shape,
+                                       roofline_latency_model, weight_bytes)
+
+L7 = model_shape("Llama-2-7b")
+H100 = get_gpu("H100")
+
+
+def test_llama2_7b_sizes():
+    assert 6.6e9 < weight_bytes(L7) / 2 < 6.8e9          # ~6.74 B parameters
+    assert kv_bytes_per_token(L7) == 2 * 32 * 32 * 128 * 2  # 512 KiB per token in bf16
+
+
+def test_decode_batch1_is_weight_read_time():
+    r = Roofline(L7, H100, overhead_s=0.0)
+    want = weight_bytes(L7) / (0.8 * 3.35e12)  # ~5.0 ms
+    assert r.decode_time(1, 1) == pytest.approx(want, rel=0.01)
+    assert 4.5e-3 < want < 5.5e-3
+
+
+def test_large_prefill_is_compute_bound_and_tp_helps():
+    r = Roofline(L7, H100, overhead_s=0.0)
+    flops = 2 * 6.48e9 * 4096  # layer params ~6.48e9, ignoring attention and lm_head
+    assert r.prefill_time(4096) > flops / (0.5 * 989e12)
+    assert Roofline(L7, H100, tp=2, overhead_s=0.0).prefill_time(4096) < r.prefill_time(4096)
+
+
+def test_latency_model_from_roofline_and_errors():
+    lm = roofline_latency_model(L7, H100)
+    assert lm.decode_time(64, 64 * 1024) > lm.decode_time(1, 1024) > 0
+    assert lm.meta["fit"]["decode"]["r2"] > 0.99
+    with pytest.raises(ValueError, match="known"):
+        get_gpu("V99")
+    with pytest.raises(ValueError, match="tp must be"):
+        Roofline(L7, H100, tp=0)
+
+
+def test_crosscheck_vidur_h100():
+    path = data_dir() / "profiles" / "h100" / "Llama-2-7b-hf" / "mlp.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} absent (shared data not present)")
+    res = crosscheck_vidur(path)
+    assert res["large"]["median_abs"] < 0.5 and res["small"]["n"] > 0
