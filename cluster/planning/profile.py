@@ -30,10 +30,14 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     from engine import SamplingParams
     from engine.core import EngineCore
 
+    from engine.builtin import PRESETS, ensure_builtin
+
     torch.set_num_threads(1)
+    # a preset name is resolved explicitly: "bench" is also a folder in the repo root
+    model_dir = ensure_builtin(preset=model) if model in PRESETS else model
     grid = QUICK if quick else FULL
     budget = max(grid["prefill_tokens"]) + max(grid["cached"]) + 16
-    eng = EngineCore(model, dtype=dtype, detokenize=False, max_num_batched_tokens=budget,
+    eng = EngineCore(model_dir, dtype=dtype, detokenize=False, max_num_batched_tokens=budget,
                      max_model_len=budget + 64, max_num_seqs=max(grid["batch"]))
     vocab = eng.config.vocab_size
     rng = random.Random(seed)
