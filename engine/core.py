@@ -28,14 +28,16 @@ Prompt = str | Sequence[int]
 def resolve_model(model: str | Path) -> Path:
     """A checkpoint folder as given, or a built-in model named 'PRESET' or 'ARCH-PRESET'."""
     path = Path(model)
-    if path.is_dir():
+    if (path / "config.json").is_file():
         return path
     from engine.builtin import ARCHS, PRESETS, ensure_builtin
 
     name = str(model)
     arch, _, preset = name.rpartition("-") if "-" in name else ("llama", "", name)
-    if arch in ARCHS and preset in PRESETS:
+    if arch in ARCHS and preset in PRESETS:  # a built-in name wins over a folder that is no checkpoint
         return ensure_builtin(arch=arch, preset=preset)
+    if path.is_dir():
+        return path  # the loader says what is missing
     raise ValueError(
         f"model {name!r} is neither a checkpoint folder nor a built-in name "
         f"(PRESET or ARCH-PRESET with ARCH in {list(ARCHS)}, PRESET in {list(PRESETS)})"

@@ -68,13 +68,14 @@ class InferenceService(pb_grpc.InferenceServicer):
             stats.admitted = time.monotonic()
             ttft, last = 0.0, 0.0
             async for chunk in self.dispatcher.generate(prepared, stats):
-                now = time.monotonic()
-                if not ttft:
-                    ttft = now - arrival
-                    m.ttft.observe(ttft)
-                else:
-                    m.itl.observe(now - last)
-                last = now
+                if chunk.token_ids:  # TTFT and ITL count token-bearing chunks, as clients see them
+                    now = time.monotonic()
+                    if not ttft:
+                        ttft = now - arrival
+                        m.ttft.observe(ttft)
+                    else:
+                        m.itl.observe(now - last)
+                    last = now
                 yield self._chunk(rid, chunk)
             final = self._final(rid, stats, ttft)
             yield final

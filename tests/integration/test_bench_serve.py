@@ -1,8 +1,10 @@
 """`bench serve` against a real in-process router with one prefill and one decode worker on
-the built-in tiny llama (local KV transfer), over gRPC on loopback."""
+the built-in tiny llama (local KV transfer), over gRPC on loopback; the router's Prometheus
+`/metrics` is scraped and parsed while the benchmark runs and must agree with it."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -17,7 +19,9 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.local import LocalHub
 from prefill_worker import AsyncPrefillWorker, PrefillWorker
 from tests.conftest import register_engine
-from tests.integration.test_router_inprocess import ENGINE, Loop, _start
+from router.app import build_router
+from tests.integration.test_metrics import per_worker, scrape, value
+from tests.integration.test_router_inprocess import ENGINE, Loop
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +36,10 @@ def address(tiny_model):
         register_engine(w.core)
     ph, dh = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0"), LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
     loop = Loop()
-    server = loop.run(_start(model, [ph], [dh], max_model_len=256))
-    yield server.address
+    server = build_router(model, [ph], [dh], max_model_len=256)
+    server.metrics_port = 0
+    loop.run(server.start())
+    yield server
     loop.run(server.stop(1.0))
     ph.close(), dh.close()
     loop.close()
@@ -41,12 +47,40 @@ def address(tiny_model):
 
 def test_random_workload_end_to_end(address, tmp_path):
     import asyncio
+    server, address = address, address.address
+    before = scrape(server.metrics_url)
+    snaps: list[dict] = []
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.wait(0.05):
+            snaps.append(scrape(server.metrics_url))
+
     info = asyncio.run(model_info(address))
     wl = build_workload("random", num_requests=12, input_range=(8, 40), output_range=(4, 12), request_rate=20.0,
                         max_model_len=info.max_model_len, seed=1)
     materialize_prompts(wl, info.vocab_size, seed=1)
-    records, duration, timeline = run_benchmark_sync(address, wl, max_concurrency=6, progress=False)
+    t = threading.Thread(target=scraper)
+    t.start()
+    try:
+        records, duration, timeline = run_benchmark_sync(address, wl, max_concurrency=6, progress=False)
+    finally:
+        stop.set()
+        t.join()
     assert [r.error for r in records if not r.ok] == []
+    # The server's view, scraped and parsed during and after the run, agrees with the client's.
+    after = scrape(server.metrics_url)
+    assert snaps and max(value(s, "pdcluster_router_running_requests") for s in snaps) >= 1
+    assert max(per_worker(s, "pdcluster_kv_pages_used")["decode-0"] for s in snaps) > 0
+    for name in ("pdcluster_request_ttft_seconds_count", "pdcluster_request_e2e_seconds_count"):
+        assert value(after, name) - value(before, name) == 12
+    assert value(after, "pdcluster_requests_total", finish_reason="length") - \
+        value(before, "pdcluster_requests_total", finish_reason="length") == 12
+    assert value(after, "pdcluster_generation_tokens_total") - value(before, "pdcluster_generation_tokens_total") \
+        == sum(r.output_tokens for r in records)
+    itl_gaps = sum(len(r.chunk_times_s) - 1 for r in records)
+    assert value(after, "pdcluster_request_itl_seconds_count") - value(before, "pdcluster_request_itl_seconds_count") \
+        == itl_gaps
     for r, req in zip(records, wl.requests):
         assert r.ttft_s is not None and r.chunk_times_s and r.ttft_s <= r.e2e_s
         assert r.output_tokens == req.output_len  # ignore_eos: every requested token comes back
@@ -64,6 +98,7 @@ def test_random_workload_end_to_end(address, tmp_path):
 
 
 def test_cli_writes_json(address, tmp_path, capsys):
+    address = address.address
     out = tmp_path / "bench.json"
     rc = pdcluster_main(["bench", "serve", "--address", address, "--num-requests", "6", "--request-rate", "30",
                          "--random-input-len", "8:24", "--random-output-len", "3:6", "--no-progress",

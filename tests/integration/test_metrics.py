@@ -104,8 +104,9 @@ def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
     assert value(after, "pdcluster_request_errors_total", code="INVALID_ARGUMENT") == 1
     assert value(after, "pdcluster_generation_tokens_total") == 48 + 3 + 3 + 1
     assert value(after, "pdcluster_prompt_tokens_total") == 40 + 5 + 20 + 3
-    # every gap between chunks sent: (data chunks - 1) per request; the last response carries usage only
-    gaps = sum(len(r) - 2 for r in responses)
+    # every gap between token-bearing chunks sent (what a client measures as ITL); text-only
+    # chunks and the last response (usage only) are not gaps
+    gaps = sum(sum(1 for c in r if c.token_ids) - 1 for r in responses)
     assert gaps >= 2 and value(after, "pdcluster_request_itl_seconds_count") == gaps
     assert value(after, "pdcluster_router_running_requests") == 0
     for name in ("pdcluster_kv_pages_used", "pdcluster_kv_pages_free", "pdcluster_kv_pages_total"):

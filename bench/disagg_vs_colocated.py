@@ -1,0 +1,223 @@
+"""`pdcluster bench disagg-vs-colocated`: the experiment behind docs/experiments.md.
+
+Same hardware, model and code in both arms; only the roles differ:
+- disaggregated: 1 prefill + 1 decode worker (one thread each, KV over NIXL);
+- colocated: 2 workers that each prefill and decode (one thread each), same router.
+
+Each arm serves the Azure LLM conversation trace (2023; Azure/AzurePublicDataset, CC-BY-4.0,
+as processed by microsoft/vidur) with lengths scaled to the `bench` model and the trace's own
+arrival pattern time-scaled to a few request rates, measured by `bench serve`'s client
+(`bench.serve`). It reports TTFT p50/p99, ITL p50/p99, TPOT p90 and goodput at several SLOs
+(one that binds on decode smoothness, one that binds on TTFT) for each arm and rate, the
+disaggregated/colocated ratios, plots, and JSON.
+
+Benchmarks are not tests: the machine is shared and noisy, so both arms run in the same
+invocation, one after the other, on the same requests.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+ITL_P99_TARGET = 0.3      # disaggregated ITL p99 <= 0.3x colocated at the highest rate
+GOODPUT_TARGET = 1.5      # disaggregated goodput >= 1.5x colocated at the decode-bound SLO
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="bench", help="built-in preset or checkpoint folder (default bench)")
+    p.add_argument("--dtype", default="bfloat16", help="engine dtype on both arms (default bfloat16)")
+    p.add_argument("--dataset", default="azure-conv")
+    p.add_argument("--rates", default="0.5,1.0,1.5", help="request rates (req/s) to replay the trace at")
+    p.add_argument("--num-requests", type=int, default=48, help="requests per (arm, rate)")
+    p.add_argument("--length-scale", type=float, default=0.25, help="prompt and output lengths x this")
+    p.add_argument("--slo", action="append", default=None,
+                   help="an SLO set 'name=ttft:MS,itl:MS' (repeatable); default: a decode-bound and a "
+                        "TTFT-bound one")
+    p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--json", default="disagg-vs-colocated.json")
+    p.add_argument("--plot", default=None, help="write PNGs here")
+    p.add_argument("--seed", type=int, default=0)
+
+
+DEFAULT_SLOS = {"decode-bound (TTFT<=8s, TPOT<=150ms)": {"ttft": 8000.0, "tpot": 150.0},
+                "TTFT-bound (TTFT<=2s, TPOT<=1s)": {"ttft": 2000.0, "tpot": 1000.0}}
+
+
+def _parse_slos(items: list[str] | None) -> dict[str, dict[str, float]]:
+    if not items:
+        return dict(DEFAULT_SLOS)
+    from bench.serve.metrics import parse_slo
+
+    out = {}
+    for item in items:
+        name, _, spec = item.partition("=")
+        if not spec:
+            raise SystemExit(f"--slo must look like 'name=ttft:MS,tpot:MS', got {item!r}")
+        out[name] = parse_slo(spec.split(","))
+    return out
+
+
+def _arm_config(arm: str, model: str, dtype: str, transport: str):
+    from cluster.config import ClusterConfig
+
+    engine = {"dtype": dtype}
+    if arm == "disaggregated":
+        return ClusterConfig.embedded(model=model, prefill=1, decode=1, transport=transport, port=0, engine=engine)
+    return ClusterConfig.embedded(model=model, decode=2, mode="colocated", transport=transport, port=0,
+                                  engine=engine)
+
+
+def _model_info(address: str):
+    import grpc
+
+    from proto.pdcluster.v1 import inference_pb2 as pb
+    from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.InferenceStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+
+
+def _pick(summary: dict, metric: str, stat: str) -> float | None:
+    m = summary.get(f"{metric}_ms") or {}
+    v = m.get(stat)
+    return None if v is None else float(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.serve.client import run_benchmark
+    from bench.serve.metrics import summarize
+    from bench.serve.workloads import build_workload, materialize_prompts
+    from cluster.runtime import Cluster
+
+    rates = [float(r) for r in args.rates.split(",")]
+    slos = _parse_slos(args.slo)
+    results: list[dict] = []
+    t_start = time.time()
+    for arm in ("disaggregated", "colocated"):
+        cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport))
+        address = cluster.start()
+        try:
+            info = _model_info(address)
+            print(f"[{arm}] serving on {address}", flush=True)
+            for rate in rates:
+                wl = build_workload(args.dataset, num_requests=args.num_requests, length_scale=args.length_scale,
+                                    max_model_len=info.max_model_len, seed=args.seed)
+                # Keep the trace's own arrival pattern (its bursts), stretched to the target rate.
+                span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
+                stretch = (len(wl.requests) - 1) / rate / span if span > 0 else 1.0
+                for r in wl.requests:
+                    r.arrival_s *= stretch
+                materialize_prompts(wl, info.vocab_size, seed=args.seed)
+                records, duration, timeline = asyncio.run(run_benchmark(address, wl, progress=False))
+                entry = {"arm": arm, "rate": rate, "duration_s": duration,
+                         "summary": summarize(records, duration, percentiles=(50, 90, 99)),
+                         "goodput": {name: summarize(records, duration, percentiles=(50, 90, 99), slo=slo)
+                                     ["goodput"] for name, slo in slos.items()},
+                         "records": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in records],
+                         "timeline": timeline}
+                results.append(entry)
+                s = entry["summary"]
+                print(f"[{arm}] rate {rate}: ttft p50 {_ms(_pick(s, 'ttft', 'median'))} p99 "
+                      f"{_ms(_pick(s, 'ttft', 'p99'))}  itl p50 {_ms(_pick(s, 'itl', 'median'))} p99 "
+                      f"{_ms(_pick(s, 'itl', 'p99'))}  failed {s.get('failed')}", flush=True)
+                if args.plot:
+                    from bench.serve.report import write_plots
+
+                    write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, timeline)
+        finally:
+            cluster.stop()
+    table = _table(results, rates, slos)
+    print(table)
+    ratios = _ratios(results, rates, slos)
+    out = {"config": vars(args) | {"slos": slos}, "host": platform.node(), "wall_s": time.time() - t_start,
+           "ratios": ratios, "runs": results}
+    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps(ratios, indent=1))
+    if args.plot:
+        _plot_summary(results, rates, slos, Path(args.plot))
+    return 0
+
+
+def _asdict(r) -> dict:
+    from dataclasses import asdict
+
+    return asdict(r)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}ms"
+
+
+def _get(results, arm, rate):
+    return next(r for r in results if r["arm"] == arm and r["rate"] == rate)
+
+
+def _goodput_rate(entry: dict, name: str) -> float:
+    return float(entry["goodput"].get(name) or 0.0)
+
+
+def _ratios(results, rates, slos) -> dict:
+    top = max(rates)
+    d, c = _get(results, "disaggregated", top), _get(results, "colocated", top)
+    out = {"rate": top}
+    for key in ("itl_p99", "ttft_p99", "tpot_p90", "itl_p50", "ttft_p50"):
+        metric, stat = key.rsplit("_", 1)
+        stat = "median" if stat == "p50" else stat
+        dv, cv = _pick(d["summary"], metric, stat), _pick(c["summary"], metric, stat)
+        out[f"{key}_disagg_over_colocated"] = (dv / cv) if dv is not None and cv else None
+    for name in slos:
+        dg, cg = _goodput_rate(d, name), _goodput_rate(c, name)
+        out[f"goodput[{name}]_disagg_over_colocated"] = (dg / cg) if cg else (float("inf") if dg else None)
+    out["itl_p99_target"] = ITL_P99_TARGET
+    out["goodput_target"] = GOODPUT_TARGET
+    return out
+
+
+def _table(results, rates, slos) -> str:
+    names = list(slos)
+    head = ["arm", "rate", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p90", "failed"] + \
+        [f"goodput {i + 1}" for i in range(len(names))]
+    rows = [head]
+    for r in results:
+        s = r["summary"]
+        rows.append([r["arm"], f"{r['rate']:g}", _ms(_pick(s, "ttft", "median")), _ms(_pick(s, "ttft", "p99")),
+                     _ms(_pick(s, "itl", "median")), _ms(_pick(s, "itl", "p99")), _ms(_pick(s, "tpot", "p90")),
+                     str(s.get("failed"))] + [f"{_goodput_rate(r, n):.2f}/s" for n in names])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    legend = [f"goodput {i + 1}: {n}" for i, n in enumerate(names)]
+    return "\n".join(lines + legend)
+
+
+def _plot_summary(results, rates, slos, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    panels = [("ttft", "p99", "TTFT p99 (ms)"), ("itl", "p99", "ITL p99 (ms)"), ("tpot", "p90", "TPOT p90 (ms)")]
+    fig, axes = plt.subplots(1, len(panels) + len(slos), figsize=(4.2 * (len(panels) + len(slos)), 3.6))
+    for ax, (metric, stat, label) in zip(axes, panels):
+        for arm in ("disaggregated", "colocated"):
+            ys = [_pick(_get(results, arm, r)["summary"], metric, stat) for r in rates]
+            ax.plot(rates, ys, marker="o", label=arm)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for ax, name in zip(axes[len(panels):], slos):
+        for arm in ("disaggregated", "colocated"):
+            ax.plot(rates, [_goodput_rate(_get(results, arm, r), name) for r in rates], marker="o", label=arm)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("goodput (req/s)")
+        ax.set_title(name, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("1 prefill + 1 decode vs 2 colocated workers (bench model, CPU, Azure conv trace)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "disagg_vs_colocated.png", dpi=110)
+    plt.close(fig)
