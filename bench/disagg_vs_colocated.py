@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             info = _model_info(address)
             print(f"[{arm}] serving on {address}", flush=True)
-            for rate in rates:
+            for i, rate in enumerate(rates):
                 wl = build_workload(args.dataset, num_requests=args.num_requests, length_scale=args.length_scale,
                                     max_model_len=info.max_model_len, seed=args.seed)
                 # Keep the trace's own arrival pattern (its bursts), stretched to the target rate.
@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
                 stretch = (len(wl.requests) - 1) / rate / span if span > 0 else 1.0
                 for r in wl.requests:
                     r.arrival_s *= stretch
-                materialize_prompts(wl, info.vocab_size, seed=args.seed)
+                # New prompt tokens per rate: a cluster serves every rate, and repeating the
+                # previous rate's prompts would turn the next one into prefix-cache hits.
+                materialize_prompts(wl, info.vocab_size, seed=args.seed + 1000 * i)
                 records, duration, timeline = asyncio.run(run_benchmark(address, wl, progress=False))
                 entry = {"arm": arm, "rate": rate, "duration_s": duration,
                          "summary": summarize(records, duration, percentiles=(50, 90, 99)),
