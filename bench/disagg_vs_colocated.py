@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-DEFAULT_SLOS = {"decode-bound (TTFT<=8s, TPOT<=150ms)": {"ttft": 8000.0, "tpot": 150.0},
+DEFAULT_SLOS = {"stall-free stream (TTFT<=8s, every gap<=250ms)": {"ttft": 8000.0, "itl": 250.0},
+                "decode-bound (TTFT<=8s, TPOT<=150ms)": {"ttft": 8000.0, "tpot": 150.0},
                 "TTFT-bound (TTFT<=2s, TPOT<=1s)": {"ttft": 2000.0, "tpot": 1000.0}}
 
 
