@@ -6,48 +6,17 @@ from __future__ import annotations
 import json
 import threading
 
-import pytest
-
 from bench.serve.client import model_info, run_benchmark_sync
 from bench.serve.metrics import summarize
 from bench.serve.report import format_table, write_json
 from bench.serve.workloads import build_workload, materialize_prompts
 from cluster.cli import main as pdcluster_main
-from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
-from decode_worker import AsyncDecodeWorker, DecodeWorker
-from kv_transfer.config import TransferConfig
-from kv_transfer.local import LocalHub
-from prefill_worker import AsyncPrefillWorker, PrefillWorker
-from tests.conftest import register_engine
-from router.app import build_router
-from tests.integration.test_metrics import per_worker, scrape, value
-from tests.integration.test_router_inprocess import ENGINE, Loop
+from tests.integration.test_metrics import metrics_router, per_worker, scrape, value  # noqa: F401 (fixture)
 
 
-@pytest.fixture(scope="module")
-def address(tiny_model):
-    model = tiny_model("llama")
-    hub, cfg = LocalHub(), TransferConfig(deadline_s=20)
-    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
-                            page_size=16, num_pages=128, **ENGINE)
-    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
-                          page_size=16, num_pages=128, **ENGINE)
-    for w in (prefill, decode):
-        register_engine(w.core)
-    ph, dh = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0"), LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
-    loop = Loop()
-    server = build_router(model, [ph], [dh], max_model_len=256)
-    server.metrics_port = 0
-    loop.run(server.start())
-    yield server
-    loop.run(server.stop(1.0))
-    ph.close(), dh.close()
-    loop.close()
-
-
-def test_random_workload_end_to_end(address, tmp_path):
+def test_random_workload_end_to_end(metrics_router, tmp_path):
     import asyncio
-    server, address = address, address.address
+    server, address = metrics_router, metrics_router.address
     before = scrape(server.metrics_url)
     snaps: list[dict] = []
     stop = threading.Event()
@@ -97,8 +66,8 @@ def test_random_workload_end_to_end(address, tmp_path):
     assert len(json.loads((tmp_path / "out.json").read_text())["requests"]) == 12
 
 
-def test_cli_writes_json(address, tmp_path, capsys):
-    address = address.address
+def test_cli_writes_json(metrics_router, tmp_path, capsys):
+    address = metrics_router.address
     out = tmp_path / "bench.json"
     rc = pdcluster_main(["bench", "serve", "--address", address, "--num-requests", "6", "--request-rate", "30",
                          "--random-input-len", "8:24", "--random-output-len", "3:6", "--no-progress",

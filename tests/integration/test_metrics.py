@@ -15,15 +15,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
-from decode_worker import AsyncDecodeWorker, DecodeWorker
-from kv_transfer.config import TransferConfig
-from kv_transfer.local import LocalHub
-from prefill_worker import AsyncPrefillWorker, PrefillWorker
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.conftest import register_engine
-from tests.integration.test_router_inprocess import ENGINE, Loop, collect, stub
+from tests.integration.test_router_inprocess import Loop, collect, local_pair, stub
 
 S = pb.SamplingParams
 
@@ -45,14 +39,7 @@ def per_worker(samples, name) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def metrics_router(tiny_model):
     model = tiny_model("llama")
-    hub, cfg = LocalHub(), TransferConfig(deadline_s=20)
-    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
-                            page_size=16, num_pages=64, **ENGINE)
-    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
-                          page_size=16, num_pages=64, **ENGINE)
-    for w in (prefill, decode):
-        register_engine(w.core)
-    ph, dh = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0"), LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
+    _, _, ph, dh = local_pair(model, 64)
     loop = Loop()
     server = build_router(model, [ph], [dh], max_model_len=256)
     server.metrics_port = 0

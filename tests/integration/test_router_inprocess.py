@@ -63,19 +63,26 @@ class Loop:
         self.thread.join(5)
 
 
-@pytest.fixture(scope="module")
-def router(tiny_model):
-    model = tiny_model("llama")
+def local_pair(model, num_pages: int):
+    """One prefill and one decode worker over a local KV hub, page-leak checked, and their
+    in-process handles."""
     hub = LocalHub()
     cfg = TransferConfig(deadline_s=20)
     prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
-                            page_size=16, num_pages=128, **ENGINE)
+                            page_size=16, num_pages=num_pages, **ENGINE)
     decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
-                          page_size=16, num_pages=128, **ENGINE)
+                          page_size=16, num_pages=num_pages, **ENGINE)
     for w in (prefill, decode):
         register_engine(w.core)
     ph = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0")
     dh = LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
+    return prefill, decode, ph, dh
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model):
+    model = tiny_model("llama")
+    prefill, decode, ph, dh = local_pair(model, 128)
     loop = Loop()
     main = loop.run(_start(model, [ph], [dh], policy="prefix-aware", max_model_len=256))
     tiny_queue = loop.run(_start(model, [ph], [dh], max_inflight=1, max_queue=0, max_model_len=256))
