@@ -143,8 +143,10 @@ def test_cancel_and_deadline_free_pages_on_every_worker(cluster):
     st = wait_free(s)
     assert all(w.free_pages == w.total_pages for w in st.workers), st
     with pytest.raises(grpc.RpcError) as err:
-        # 190 tiny-model tokens take ~0.4-1 s here: a 0.2 s deadline always expires mid-request
-        list(s.Generate(long, timeout=0.2))
+        # 250 tiny-model tokens (the most max_model_len allows) take ~0.5-1.3 s here: a 0.1 s
+        # deadline expires mid-request
+        list(s.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5], sampling=S(
+            max_tokens=250, temperature=0, ignore_eos=True)), timeout=0.1))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     st = wait_free(s)
     assert all(w.free_pages == w.total_pages for w in st.workers), st

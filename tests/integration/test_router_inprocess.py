@@ -229,8 +229,10 @@ def test_cancel_and_deadline_free_pages_on_both_workers(router):
     st = wait_free(s)
     assert all(w.free_pages == w.total_pages for w in st.workers), st
     with pytest.raises(grpc.RpcError) as err:
-        list(s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(1, 60)),
-                                           sampling=S(max_tokens=190, temperature=0, ignore_eos=True)), timeout=0.5))
+        # 250 tokens, the most max_model_len allows, take ~0.5-1.3 s here: a 0.1 s deadline
+        # expires mid-request (0.5 s did not always: an idle machine finished 190 tokens first)
+        list(s.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4, 5],
+                                           sampling=S(max_tokens=250, temperature=0, ignore_eos=True)), timeout=0.1))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     st = wait_free(s)
     assert all(w.free_pages == w.total_pages for w in st.workers), st
