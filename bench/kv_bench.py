@@ -254,6 +254,66 @@ def _paged(conn, transport: str, pool, tokens: int, repeats: int, compute_s: flo
     return times, setup, base
 
 
+def measure_transfer(transport: str, spec_kw: dict, layout_kw: dict, token_sizes, repeats: int = 3,
+                     config_kw: dict | None = None) -> list[tuple[int, int, list[float]]]:
+    """Paged KV transfers of each size in `token_sizes` from a spawned sender process to a
+    receiver here, over one receiver/sender pair: (tokens, payload bytes, seconds per repeat)
+    per size, each timed from the sender's first layer to DONE here, after one untimed warm-up
+    of the largest size (faults every page in) and one of each size."""
+    import multiprocessing as mp
+    import os
+
+    from kv_transfer.layout import KVLayout, KVPool, ModelSpec
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    layout = KVLayout(**layout_kw)
+    num_pages = layout.pages_for(max(token_sizes))
+    pool = KVPool.allocate(ModelSpec(**spec_kw), layout, num_pages)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(child_conn, spec_kw, layout_kw, num_pages), daemon=True)
+    child.start()
+    out = []
+    try:
+        from kv_transfer.config import TransferConfig
+        from kv_transfer.registry import create_receiver
+
+        config_kw = config_kw or {}
+        recv = create_receiver(transport, pool, TransferConfig(**config_kw))
+        try:
+            conn.send(("sender", transport, config_kw))
+            conn.recv()
+            sizes = [max(token_sizes), *token_sizes]
+            for k, tokens in enumerate(sizes):
+                pages = list(range(layout.pages_for(tokens)))
+                times = []
+                for i in range(-1 if k else 0, repeats if k else 0):
+                    rid = f"measure-{transport}-{k}-{i}"
+                    desc = recv.expect(rid, pages, tokens, deadline_s=300)
+                    conn.send(("start", transport, rid, desc.to_bytes(), pages, tokens))
+                    assert conn.recv() == "WAITING"
+                    t0 = time.perf_counter()
+                    conn.send(("send", transport, rid, 0.0))
+                    status = recv.wait(rid, 300)
+                    elapsed = time.perf_counter() - t0
+                    assert status.state.name == "DONE", status.error
+                    assert conn.recv()[0] == "DONE"
+                    recv.take(rid)
+                    if i >= 0:
+                        times.append(elapsed)
+                if k:
+                    out.append((tokens, len(pages) * layout.page_bytes * layout.num_layers, times))
+        finally:
+            recv.close()
+        conn.send(("exit",))
+        conn.recv()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import multiprocessing as mp
     import os
