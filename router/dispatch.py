@@ -10,6 +10,13 @@ KV transfer. Its text comes with the decode worker's copy of it: the decode work
 incremental detokenizer (stop strings included), so the text stays exactly what a colocated
 run produces; only the ids are sent ahead.
 
+Health: a worker's load is answered between its engine steps, so a worker in a long step
+(a 2,048-token prefill chunk takes seconds on a CPU) answers late. Late is not dead: one load
+call per worker stays pending across refreshes, the worker keeps its last load and stays
+healthy, and only an error from the call (its process or actor is gone) or silence longer than
+`unresponsive_after_s` takes it out of placement. (Treating a 2 s timeout as death failed
+requests with UNAVAILABLE "no healthy prefill worker" while the only prefill worker was busy.)
+
 A prefill worker that fails before the first token (error result or a dead worker) gets the
 request retried on another one, under a new worker-side id (`RID~N`) and fresh decode pages:
 the failed attempt is cancelled on both sides first. Whatever ends the stream early (client
@@ -58,6 +65,7 @@ class RequestStats:
     decode_worker: str = ""
     local_prefill: bool = False
     attempts: int = 0
+    kv_bytes: int = 0  # KV moved prefill -> decode: destination pages x bytes per page, all layers
 
 
 @dataclass(slots=True)
@@ -74,7 +82,7 @@ class _Live:
 
 class Dispatcher:
     def __init__(self, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], policy: PlacementPolicy,
-                 *, max_prefill_attempts: int = 2) -> None:
+                 *, max_prefill_attempts: int = 2, unresponsive_after_s: float = 30.0) -> None:
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -83,17 +91,38 @@ class Dispatcher:
         self.views.update({h.worker_id: WorkerView(h.worker_id, h.pool, getattr(h, "role", "decode")) for h in decodes})
         self.policy = policy
         self.max_prefill_attempts = max_prefill_attempts
+        if not unresponsive_after_s > 0:
+            raise ValueError(f"unresponsive_after_s must be > 0, got {unresponsive_after_s}")
+        self.unresponsive_after_s = unresponsive_after_s
         self._cleanup: set[asyncio.Task] = set()
+        self._started = time.monotonic()
+        self._load_calls: dict[str, asyncio.Task] = {}  # at most one pending load() per worker
+        self._answered: dict[str, float] = {}           # when each worker's load last answered
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
+        """Wait up to timeout_s for each worker's load. A call still pending then is left
+        running for the next refresh (the worker is mid-step); see the module docstring."""
         async def one(wid: str, handle) -> None:
             view = self.views[wid]
+            call = self._load_calls.get(wid)
+            if call is None:
+                call = self._load_calls[wid] = asyncio.ensure_future(handle.load())
             try:
-                view.load = await asyncio.wait_for(handle.load(), timeout_s)
-                view.healthy, view.error = True, ""
-            except Exception as exc:  # a dead or stuck worker is skipped by placement
+                load = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+            except asyncio.TimeoutError:
+                silent = time.monotonic() - self._answered.get(wid, self._started)
+                if silent > self.unresponsive_after_s:
+                    view.healthy = False
+                    view.error = f"no load answer for {silent:.1f} s (unresponsive_after_s={self.unresponsive_after_s:g})"
+                return
+            except Exception as exc:  # the worker's process or actor is gone: out of placement
                 view.healthy, view.error = False, f"{type(exc).__name__}: {exc}"[:300]
+            else:
+                view.load, view.healthy, view.error = load, True, ""
+                self._answered[wid] = time.monotonic()
+            if self._load_calls.get(wid) is call:
+                del self._load_calls[wid]
 
         await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
 
@@ -166,6 +195,7 @@ class Dispatcher:
                 stats.local_prefill = True
                 stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
+            stats.kv_bytes = kv_transfer_bytes(adm.descriptor)
             prefills = self._candidates(self.prefills, exclude=tried)
             if not prefills:
                 raise RequestError("no healthy prefill worker" + (" left to retry on" if tried else ""),
@@ -264,8 +294,13 @@ class Dispatcher:
                 log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, exc)
 
     async def drain_cleanup(self) -> None:
+        """Finish pending cancels and drop pending load calls (the router is stopping)."""
         if self._cleanup:
             await asyncio.gather(*list(self._cleanup), return_exceptions=True)
+        calls, self._load_calls = list(self._load_calls.values()), {}
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
 
 def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
@@ -275,6 +310,12 @@ def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
         raise RequestError("a worker returned no logprobs for a request that asked for them",
                            grpc.StatusCode.INTERNAL)
     return lps
+
+
+def kv_transfer_bytes(desc) -> int:
+    """Bytes a transfer into `desc` moves: every destination page, K and V, of every layer
+    (the last page moves whole even when the prompt fills it only partly)."""
+    return len(desc.page_ids) * desc.layout.page_bytes * desc.layout.num_layers
 
 
 def _capacity(view: WorkerView) -> int:

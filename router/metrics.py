@@ -23,6 +23,8 @@ request_log = logging.getLogger("pdcluster.requests")
 
 # 1 ms .. ~60 s, roughly x2.5 per bucket
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+# 4 KiB .. 4 GiB, x4 per bucket: a tiny test model's few pages up to a 7B model's long prompt
+BYTES_BUCKETS = tuple(float(4096 * 4 ** i) for i in range(11))
 
 
 class WorkerCollector(Collector):
@@ -67,6 +69,8 @@ class RouterMetrics:
         self.queue = h("pdcluster_request_queue_seconds", "wait for an admission slot")
         self.prefill = h("pdcluster_request_prefill_seconds", "prefill submit to its first token")
         self.transfer = h("pdcluster_kv_transfer_seconds", "first token to the decode worker's first output")
+        self.transfer_bytes = Histogram("pdcluster_kv_transfer_bytes", "KV bytes moved prefill -> decode per request",
+                                        buckets=BYTES_BUCKETS, registry=r)
         self.requests = Counter("pdcluster_requests", "finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("pdcluster_request_errors", "refused or failed requests", ["code"], registry=r)
         self.prompt_tokens = Counter("pdcluster_prompt_tokens", "prompt tokens of finished requests", registry=r)

@@ -24,13 +24,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
-                 *, load_refresh_s: float = 0.1, max_message_bytes: int = 16 << 20, warm_up: bool = False,
-                 metrics_port: int | None = None) -> None:
+                 *, load_refresh_s: float = 0.1, load_timeout_s: float = 2.0, max_message_bytes: int = 16 << 20,
+                 warm_up: bool = False, metrics_port: int | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
         self.port: int | None = None
         self.load_refresh_s = load_refresh_s
+        self.load_timeout_s = load_timeout_s  # a refresh waits this long; a later answer still counts
         self.max_message_bytes = max_message_bytes
         self.warm_up = warm_up
         self.metrics_port = metrics_port  # None: no /metrics endpoint; 0: a free port
@@ -75,7 +76,7 @@ class RouterServer:
         while True:
             await asyncio.sleep(self.load_refresh_s)
             try:
-                await self.service.dispatcher.refresh_loads()
+                await self.service.dispatcher.refresh_loads(self.load_timeout_s)
             except Exception as exc:  # never let placement data stop the router
                 log.warning("load refresh failed: %s", exc)
 

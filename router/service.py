@@ -109,8 +109,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         m.e2e.observe(t.e2e_s)
         m.queue.observe(t.queue_s)
         m.prefill.observe(t.prefill_s)
-        if not s.local_prefill:
+        if not s.local_prefill:  # a local prefill moves no KV: neither histogram counts it
             m.transfer.observe(t.transfer_s)
+            m.transfer_bytes.observe(s.kv_bytes)
         m.requests.labels(finish_reason=s.finish_reason).inc()
         m.prompt_tokens.inc(s.prompt_tokens)
         m.generation_tokens.inc(s.completion_tokens)
@@ -121,7 +122,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     def _log(rid: str, s: RequestStats, extra: dict) -> None:
         log_request({"request_id": rid, "prefill_worker": s.prefill_worker, "decode_worker": s.decode_worker,
                      "local_prefill": s.local_prefill, "attempts": s.attempts, "prompt_tokens": s.prompt_tokens,
-                     "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_prompt_tokens, **extra})
+                     "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_prompt_tokens,
+                     "kv_bytes": s.kv_bytes, **extra})
 
     @staticmethod
     def _chunk(rid: str, chunk: Chunk) -> pb.GenerateResponse:

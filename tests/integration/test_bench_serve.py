@@ -11,12 +11,14 @@ from bench.serve.metrics import summarize
 from bench.serve.report import format_table, write_json
 from bench.serve.workloads import build_workload, materialize_prompts
 from cluster.cli import main as pdcluster_main
-from tests.integration.test_metrics import metrics_router, per_worker, scrape, value  # noqa: F401 (fixture)
+from tests.integration.test_metrics import (kv_bytes_moved, metrics_cluster, metrics_router,  # noqa: F401 (fixtures)
+                                            per_worker, scrape, value)
 
 
-def test_random_workload_end_to_end(metrics_router, tmp_path):
+def test_random_workload_end_to_end(metrics_cluster, tmp_path):
     import asyncio
-    server, address = metrics_router, metrics_router.address
+    server, _, decode = metrics_cluster
+    address = server.address
     before = scrape(server.metrics_url)
     snaps: list[dict] = []
     stop = threading.Event()
@@ -47,6 +49,9 @@ def test_random_workload_end_to_end(metrics_router, tmp_path):
         value(before, "pdcluster_requests_total", finish_reason="length") == 12
     assert value(after, "pdcluster_generation_tokens_total") - value(before, "pdcluster_generation_tokens_total") \
         == sum(r.output_tokens for r in records)
+    delta = lambda name: value(after, name) - value(before, name)
+    assert delta("pdcluster_kv_transfer_bytes_count") == 12
+    assert delta("pdcluster_kv_transfer_bytes_sum") == kv_bytes_moved(decode, [r.prompt_len for r in records])
     itl_gaps = sum(len(r.chunk_times_s) - 1 for r in records)
     assert value(after, "pdcluster_request_itl_seconds_count") - value(before, "pdcluster_request_itl_seconds_count") \
         == itl_gaps

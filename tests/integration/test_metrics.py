@@ -1,8 +1,9 @@
 """The router's /metrics endpoint, in one process in front of real prefill and decode workers
 over the `local` transport: latency histograms count exactly the requests and chunks sent,
-finish reasons and error codes are counted, KV gauges per worker add up (used + free = total)
-and used pages fall back to the idle level once the requests finish; one JSON log line per
-finished request."""
+finish reasons and error codes are counted, the KV transfer bytes equal the decode pages the
+prompts filled (read off the decode worker's own KV tensors), KV gauges per worker add up
+(used + free = total) and used pages fall back to the idle level once the requests finish; one
+JSON log line per finished request."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from router.app import build_router
 from tests.integration.test_router_inprocess import Loop, collect, local_pair, stub
 
 S = pb.SamplingParams
+LONG = 200  # tokens of the long stream: long enough that a 0.1 s load refresh sees its pages
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -36,21 +38,37 @@ def per_worker(samples, name) -> dict[str, float]:
     return {dict(k[1])["worker"]: v for k, v in samples.items() if k[0] == name}
 
 
+def kv_bytes_moved(decode_worker, prompt_lens) -> int:
+    """KV bytes the prefill side wrote into the decode worker's pages for these prompts, from
+    the decode worker's own KV tensors: every page a prompt occupies, K and V, every layer."""
+    layers = decode_worker.core.runner.kv_caches
+    page_bytes_all_layers = sum(layer[0].nbytes for layer in layers)
+    page_size = layers[0].shape[2]
+    return sum(-(-n // page_size) * page_bytes_all_layers for n in prompt_lens)
+
+
 @pytest.fixture(scope="module")
-def metrics_router(tiny_model):
+def metrics_cluster(tiny_model):
+    """(router server, prefill worker, decode worker), shared by the metrics and bench-serve tests."""
     model = tiny_model("llama")
-    _, _, ph, dh = local_pair(model, 64)
+    prefill, decode, ph, dh = local_pair(model, 64)
     loop = Loop()
     server = build_router(model, [ph], [dh], max_model_len=256)
     server.metrics_port = 0
     loop.run(server.start())
-    yield server
+    yield server, prefill, decode
     loop.run(server.stop(1.0))
     ph.close(), dh.close()
     loop.close()
 
 
-def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
+@pytest.fixture(scope="module")
+def metrics_router(metrics_cluster):
+    return metrics_cluster[0]
+
+
+def test_metrics_count_requests_chunks_errors_and_pages(metrics_cluster, caplog):
+    metrics_router, _, decode = metrics_cluster
     url = metrics_router.metrics_url
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
     idle = scrape(url)
@@ -59,7 +77,7 @@ def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
     s = stub(metrics_router)
     during: list[dict] = []
     long_req = pb.GenerateRequest(prompt_token_ids=list(range(1, 41)),
-                                  sampling=S(max_tokens=48, temperature=0, ignore_eos=True))
+                                  sampling=S(max_tokens=LONG, temperature=0, ignore_eos=True))
     chunks_long: list = []
     t = threading.Thread(target=lambda: chunks_long.extend(s.Generate(long_req, timeout=60)))
     caplog.set_level(logging.INFO, logger="pdcluster.requests")
@@ -89,8 +107,12 @@ def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
     assert value(after, "pdcluster_request_e2e_seconds_count") == n_ok
     assert value(after, "pdcluster_requests_total", finish_reason="length") == n_ok
     assert value(after, "pdcluster_request_errors_total", code="INVALID_ARGUMENT") == 1
-    assert value(after, "pdcluster_generation_tokens_total") == 48 + 3 + 3 + 1
+    assert value(after, "pdcluster_generation_tokens_total") == LONG + 3 + 3 + 1
     assert value(after, "pdcluster_prompt_tokens_total") == 40 + 5 + 20 + 3
+    # every request here was prefilled on prefill-0 and its KV moved into decode-0's pages
+    assert value(after, "pdcluster_kv_transfer_bytes_count") == n_ok
+    assert value(after, "pdcluster_kv_transfer_bytes_sum") == kv_bytes_moved(decode, (40, 5, 20, 3)) > 0
+    assert value(after, "pdcluster_kv_transfer_seconds_count") == n_ok
     # every gap between token-bearing chunks sent (what a client measures as ITL); text-only
     # chunks and the last response (usage only) are not gaps
     gaps = sum(sum(1 for c in r if c.token_ids) - 1 for r in responses)
@@ -106,4 +128,5 @@ def test_metrics_count_requests_chunks_errors_and_pages(metrics_router, caplog):
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdcluster.requests"]
     done = [l for l in lines if "finish_reason" in l]
     assert len(done) == n_ok and all(l["prefill_worker"] == "prefill-0" and l["e2e_s"] >= l["ttft_s"] > 0 for l in done)
-    assert {l["completion_tokens"] for l in done} == {48, 3, 1}
+    assert {l["completion_tokens"] for l in done} == {LONG, 3, 1}
+    assert sorted(l["kv_bytes"] for l in done) == sorted(kv_bytes_moved(decode, (n,)) for n in (40, 5, 20, 3))

@@ -1,0 +1,86 @@
+"""A worker busy in a long engine step answers its load late; the router must keep placing on
+it (late is not dead) and take it out of placement only after `unresponsive_after_s` of
+silence. Real in-process prefill and decode workers (tiny llama, local KV transfer) behind the
+real gRPC router; the prefill worker's engine thread is held busy for a fixed time, which is
+what a multi-second prefill step does to it (its load is answered between steps).
+
+Regression: the disaggregated arm of the experiment lost requests with UNAVAILABLE "no healthy
+prefill worker" because a 2 s load timeout during a long prefill step marked the only prefill
+worker unhealthy."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from proto.pdcluster.v1 import inference_pb2 as pb
+from router.app import build_router
+from tests.integration.test_metrics import per_worker, scrape
+from tests.integration.test_router_inprocess import Loop, collect, local_pair, stub
+
+S = pb.SamplingParams
+
+
+@pytest.fixture
+def router(tiny_model):
+    model = tiny_model("llama")
+    prefill, decode, ph, dh = local_pair(model, 64)
+    loop = Loop()
+    server = build_router(model, [ph], [dh], max_model_len=256)
+    server.load_timeout_s = 0.05  # loads answered later than this are "late"
+    server.metrics_port = 0
+    loop.run(server.start())
+    yield server, ph, (prefill, decode)
+    loop.run(server.stop(1.0))
+    ph.close(), dh.close()
+    loop.close()
+
+
+def hold_engine_thread(handle, seconds: float) -> threading.Thread:
+    """Keep a worker's engine loop thread busy for `seconds`, as one long step would."""
+    t = threading.Thread(target=lambda: asyncio.run(handle.front._run(lambda: time.sleep(seconds))))
+    t.start()
+    return t
+
+
+def request(n: int = 20) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=list(range(3, 3 + n)), sampling=S(max_tokens=4, temperature=0,
+                                                                                  ignore_eos=True))
+
+
+def test_busy_prefill_worker_is_late_not_dead(router):
+    server, ph, workers = router
+    busy = hold_engine_thread(ph, 1.2)
+    time.sleep(0.5)  # several refreshes time out while the worker is busy
+    ids, _, last = collect(stub(server), request())  # before the fix: UNAVAILABLE "no healthy prefill worker"
+    busy.join()
+    assert len(ids) == 4 and last.finish_reason == "length"
+    views = server.service.dispatcher.views
+    assert views["prefill-0"].healthy and views["prefill-0"].error == ""
+    time.sleep(0.3)
+    assert per_worker(scrape(server.metrics_url), "pdcluster_worker_healthy") == {"prefill-0": 1.0, "decode-0": 1.0}
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages
+
+
+def test_silent_prefill_worker_leaves_placement_then_returns(router):
+    server, ph, workers = router
+    server.service.dispatcher.unresponsive_after_s = 0.3
+    busy = hold_engine_thread(ph, 1.5)
+    time.sleep(0.8)
+    view = server.service.dispatcher.views["prefill-0"]
+    assert not view.healthy and "no load answer" in view.error
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub(server), request())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()
+    busy.join()
+    time.sleep(0.3)  # its pending load answers: back in placement
+    assert view.healthy
+    ids, _, last = collect(stub(server), request(30))
+    assert len(ids) == 4 and last.finish_reason == "length"
+    time.sleep(0.2)  # the refused request's decode pages are freed by a cancel task
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages
