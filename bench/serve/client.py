@@ -89,10 +89,10 @@ async def _send(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, ti
                 rec.output_tokens += len(chunk.token_ids)
             last = chunk
     except grpc.aio.AioRpcError as exc:
-        rec.error = exc.code().name
+        rec.error, rec.error_detail = exc.code().name, exc.details() or ""
         return rec
     if not rec.chunk_times_s or last is None:
-        rec.error = "NO_TOKENS"
+        rec.error, rec.error_detail = "NO_TOKENS", "the stream ended without a token"
         return rec
     rec.ok = True
     rec.ttft_s, rec.e2e_s = rec.chunk_times_s[0], rec.chunk_times_s[-1]

@@ -7,7 +7,8 @@ Definitions (the same as vLLM's `bench serve`):
 - Throughputs count completed requests only, over the whole run's duration.
 - Goodput: completed requests/s meeting ALL given SLOs (milliseconds). The ITL SLO holds
   when every chunk gap of the request is <= the SLO (the strictest reading).
-Failed requests are counted and broken down by error, never dropped silently.
+Failed requests are counted and broken down by status code (and, under each code, by the
+server's detail message), never dropped silently.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class RequestRecord:
     prompt_len: int
     max_tokens: int
     ok: bool = False
-    error: str = ""
+    error: str = ""  # gRPC status code name (or NO_TOKENS) of a failed request
+    error_detail: str = ""  # the server's message for it: the cause, not just the class
     ttft_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)  # relative to start_s
     output_tokens: int = 0
@@ -97,6 +99,15 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     return all(checks[k]() for k in slo)
 
 
+def _error_details(failed: list[RequestRecord]) -> dict[str, dict[str, int]]:
+    """{code: {detail: count}}: which causes stand behind each status code."""
+    out: dict[str, dict[str, int]] = {}
+    for r in failed:
+        per_code = out.setdefault(r.error or "unknown", {})
+        per_code[r.error_detail] = per_code.get(r.error_detail, 0) + 1
+    return out
+
+
 def summarize(records: list[RequestRecord], duration_s: float, percentiles: tuple[float, ...] = (50, 90, 99),
               slo: dict[str, float] | None = None) -> dict:
     """Every figure of the run as a plain JSON-able dict; latencies in ms, rates per second."""
@@ -115,6 +126,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: tupl
         "completed": len(done),
         "failed": len(failed),
         "errors": dict(Counter(r.error or "unknown" for r in failed)),
+        "error_details": _error_details(failed),
         "total_input_tokens": prompt_tokens,
         "total_output_tokens": out_tokens,
         "cached_tokens": sum(r.cached_tokens for r in done),

@@ -9,7 +9,7 @@ import threading
 from bench.serve.client import model_info, run_benchmark_sync
 from bench.serve.metrics import summarize
 from bench.serve.report import format_table, write_json
-from bench.serve.workloads import build_workload, materialize_prompts
+from bench.serve.workloads import Workload, WorkloadRequest, build_workload, materialize_prompts
 from cluster.cli import main as pdcluster_main
 from tests.integration.test_metrics import (kv_bytes_moved, metrics_cluster, metrics_router,  # noqa: F401 (fixtures)
                                             per_worker, scrape, value)
@@ -84,3 +84,22 @@ def test_cli_writes_json(metrics_router, tmp_path, capsys):
     assert doc["config"]["num_requests"] == 6 and len(doc["requests"]) == 6
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
         "itl_cdf.png", "queue_depth.png", "throughput_over_time.png", "ttft_cdf.png"]
+
+
+def test_failed_request_keeps_the_servers_reason(metrics_router, tmp_path):
+    """A refused request is counted under its status code and keeps the server's message, in
+    the record and in the JSON; the request next to it is served."""
+    info_len = 256  # the fixture's max_model_len
+    wl = Workload([WorkloadRequest(0, 0.0, info_len + 10, 4, prompt_token_ids=[5] * (info_len + 10)),
+                   WorkloadRequest(1, 0.0, 12, 4, prompt_token_ids=list(range(3, 15)))], 0, "two")
+    records, duration, _ = run_benchmark_sync(metrics_router.address, wl, progress=False)
+    too_long, fine = records
+    assert fine.ok and fine.output_tokens == 4
+    assert not too_long.ok and too_long.error == "INVALID_ARGUMENT"
+    assert f"{info_len + 10} tokens" in too_long.error_detail and "max_model_len=256" in too_long.error_detail
+    s = summarize(records, duration)
+    assert s["errors"] == {"INVALID_ARGUMENT": 1}
+    assert s["error_details"] == {"INVALID_ARGUMENT": {too_long.error_detail: 1}}
+    write_json(tmp_path / "out.json", s, records, {})
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["requests"][0]["error_detail"] == too_long.error_detail

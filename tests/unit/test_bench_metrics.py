@@ -27,6 +27,23 @@ def test_latency_definitions_and_throughput():
     assert s["total_token_throughput"] == pytest.approx((20 + 7) / 2)
 
 
+def test_failures_keep_their_cause_under_their_code():
+    ok = rec(0, 0.1, [0.1, 0.2])
+    busy = [rec(i, 0, [0.0], ok=False, error="UNAVAILABLE") for i in (1, 2)]
+    for r in busy:
+        r.error_detail = "no healthy prefill worker"
+    gone = rec(3, 0, [0.0], ok=False, error="UNAVAILABLE")
+    gone.error_detail = "request ended on decode worker decode-0: error: transfer deadline"
+    bad = rec(4, 0, [0.0], ok=False, error="INVALID_ARGUMENT")
+    bad.error_detail = "sampling.max_tokens must be >= 1, got 0"
+    s = summarize([ok, *busy, gone, bad], duration_s=1.0)
+    assert s["failed"] == 4 and s["errors"] == {"UNAVAILABLE": 3, "INVALID_ARGUMENT": 1}
+    assert s["error_details"] == {
+        "UNAVAILABLE": {"no healthy prefill worker": 2,
+                        "request ended on decode worker decode-0: error: transfer deadline": 1},
+        "INVALID_ARGUMENT": {"sampling.max_tokens must be >= 1, got 0": 1}}
+
+
 def test_goodput_needs_every_slo():
     fast = rec(0, 0.05, [0.05, 0.06, 0.07])   # ttft 50, tpot 10
     slow_decode = rec(1, 0.05, [0.05, 0.5])   # ttft ok, tpot 450
