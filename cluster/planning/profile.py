@@ -2,8 +2,9 @@
 
 Prefill steps are timed by new tokens and cached-prefix length (the prefix is prefilled once
 first, so prefix caching serves it), decode steps by batch size and context. One torch thread,
-as each cluster worker runs. KV transfer is not measured here yet: the transfer terms stay at
-the LatencyModel defaults (see docs/capacity-planning.md).
+as each cluster worker runs. KV transfer is timed per transport (`nixl`, `grpc`) with this
+model's paged KV layout between two real processes (`bench.kv_bench.measure_transfer`), by
+prompt length, and fitted as a fixed cost plus bytes over bandwidth.
 """
 from __future__ import annotations
 
@@ -13,20 +14,40 @@ import time
 import torch
 from tqdm import tqdm
 
-from cluster.planning.fit import fit_decode, fit_prefill
+from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024), "cached": (0, 256, 512),
-        "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256), "decode_steps": 4}
+        "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256), "decode_steps": 4,
+        "transfer_tokens": (64, 256, 1024, 2048), "transfer_repeats": 3}
 QUICK = {"prefill_tokens": (16, 64, 256, 512), "cached": (0, 64), "batch": (1, 2, 4, 8),
-         "ctx_per_seq": (32, 96), "decode_steps": 3}
+         "ctx_per_seq": (32, 96), "decode_steps": 3, "transfer_tokens": (64, 512), "transfer_repeats": 2}
+TRANSPORTS = ("nixl", "grpc")
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0) -> dict:
+def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, quick: bool = False) -> dict:
+    """Per transport: the fit {coef: (x0 s, bytes/s), r2, ...} and the raw (bytes, seconds) points
+    (every repeat), for this model's KV layout moved between two processes here."""
+    from bench.kv_bench import measure_transfer
+
+    grid = QUICK if quick else FULL
+    spec_kw = dict(model_id="profile", num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    layout_kw = dict(num_layers=cfg.num_layers, page_size=page_size, head_start=0, num_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, dtype=dtype)
+    out = {}
+    for transport in tqdm(transports, desc="transfer", leave=False):
+        rows = measure_transfer(transport, spec_kw, layout_kw, grid["transfer_tokens"], grid["transfer_repeats"])
+        points = [(nbytes, t) for _, nbytes, times in rows for t in times]
+        out[transport] = {"fit": fit_transfer(points).as_dict(), "points": points}
+    return out
+
+
+def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0,
+                   transports=TRANSPORTS, page_size: int = 16) -> dict:
     from engine import SamplingParams
     from engine.core import EngineCore
 
@@ -38,7 +59,7 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     grid = QUICK if quick else FULL
     budget = max(grid["prefill_tokens"]) + max(grid["cached"]) + 16
     eng = EngineCore(model_dir, dtype=dtype, detokenize=False, max_num_batched_tokens=budget,
-                     max_model_len=budget + 64, max_num_seqs=max(grid["batch"]))
+                     max_model_len=budget + 64, max_num_seqs=max(grid["batch"]), page_size=page_size)
     vocab = eng.config.vocab_size
     rng = random.Random(seed)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -76,7 +97,15 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
                 eng.step()
     fp, fd = fit_prefill(prefill), fit_decode(decode)
     kv = eng.config.kv_bytes_per_token * torch.finfo(getattr(torch, dtype)).bits // 8
-    lm = LatencyModel(prefill=fp.coef, decode=fd.coef, kv_bytes_per_token=kv, max_batched_tokens=budget,
-                      source=f"profile:{model}:{dtype}", meta={"threads": 1, "quick": quick})
-    return {"latency_model": lm.to_json(), "fit": {"prefill": fp.as_dict(), "decode": fd.as_dict()},
-            "points": {"prefill": prefill, "decode": decode}, "model": model, "dtype": dtype}
+    transfer = profile_transfer(eng.config, dtype, page_size, transports, quick) if transports else {}
+    transfers = {k: tuple(v["fit"]["coef"]) for k, v in transfer.items()}
+    x0, bw = transfers.get("nixl", next(iter(transfers.values()), (0.0, float("inf"))))
+    lm = LatencyModel(prefill=fp.coef, decode=fd.coef, transfer_overhead_s=x0, transfer_bytes_per_s=bw,
+                      kv_bytes_per_token=kv, max_batched_tokens=budget, num_layers=eng.config.num_layers,
+                      transfers=transfers, source=f"profile:{model}:{dtype}",
+                      meta={"threads": 1, "quick": quick, "max_model_len": eng.config.max_position_embeddings,
+                            "page_size": page_size})
+    return {"latency_model": lm.to_json(),
+            "fit": {"prefill": fp.as_dict(), "decode": fd.as_dict(), **{f"transfer_{k}": v["fit"] for k, v in transfer.items()}},
+            "points": {"prefill": prefill, "decode": decode, **{f"transfer_{k}": v["points"] for k, v in transfer.items()}},
+            "model": model, "dtype": dtype}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -11,6 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--quick", action="store_true", help="small grid (for tests with the tiny preset)")
+    parser.add_argument("--transports", default="nixl,grpc",
+                        help="KV transports to time between two processes, comma list of nixl, grpc ('' = none)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (>= 1), as the pools run")
     parser.add_argument("--crosscheck-h100", action="store_true",
                         help="instead: roofline vs Vidur H100 Llama-2 7B/70B MLP profiles, print the errors")
 
@@ -26,9 +30,15 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print(json.dumps({"model": m, **crosscheck_vidur(path)}))
         return 0
-    from cluster.planning.profile import profile_engine
+    from cluster.planning.profile import TRANSPORTS, profile_engine
 
-    res = profile_engine(args.model, args.dtype, args.quick)
+    transports = tuple(t for t in args.transports.split(",") if t)
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or args.page_size < 1:
+        print(f"pdcluster plan profile: --transports must be a comma list of {', '.join(TRANSPORTS)} (got {bad}) "
+              f"and --page-size >= 1 (got {args.page_size})", file=sys.stderr)
+        return 2
+    res = profile_engine(args.model, args.dtype, args.quick, transports=transports, page_size=args.page_size)
     Path(args.out).write_text(json.dumps(res, indent=2))
     for k, f in res["fit"].items():
         print(f"{k}: coef={f['coef']} r2={f['r2']:.3f} max_rel_err={f['max_rel_err']:.2f} n={f['n']}")

@@ -34,7 +34,10 @@ def test_quick_profile_of_tiny_model_is_loadable(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = tmp_path / "p.json"
-    assert run(parser.parse_args(["--model", "tiny", "--quick", "--out", str(out)])) == 0
+    assert run(parser.parse_args(["--model", "tiny", "--quick", "--transports", "nixl", "--out", str(out)])) == 0
     lm = LatencyModel.load(out)
+    # the KV transfer of this model's pages between two processes was timed and fitted
+    assert set(lm.transfers) == {"nixl"} and lm.num_layers == 4
+    assert 0 < lm.transfer_time(1 << 20, "nixl") < 1.0
     assert lm.kv_bytes_per_token == 2 * 4 * 2 * 32 * 2  # tiny: 4 layers, 2 kv heads, head_dim 32, bf16
     assert lm.prefill_time(512) > 1.5 * lm.prefill_time(16) > 0  # prefill time grows with tokens

@@ -1,0 +1,98 @@
+"""`pdcluster plan simulate`: a cluster config (the YAML `serve` reads, or the same flags) on a
+workload (the same flags as `bench serve`), in simulated time; prints `bench serve`'s table and
+writes its JSON, so a prediction and a measurement line up field for field."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from bench.serve.workload_args import add_workload_arguments
+
+    p.add_argument("--config", help="cluster config YAML (as for `pdcluster serve`)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill replicas (embedded config)")
+    p.add_argument("--decode", type=int, default=1, help="decode (or colocated) replicas (embedded config)")
+    p.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    p.add_argument("--policy", choices=("round-robin", "least-loaded", "prefix-aware"))
+    p.add_argument("--kv-transport", choices=("nixl", "grpc"))
+    p.add_argument("--profile", help="profile JSON from `plan profile`: step times of pools without a GPU")
+    p.add_argument("--pool-profile", action="append", default=[], metavar="POOL=FILE",
+                   help="a profile for one pool (heterogeneous pools), repeatable")
+    p.add_argument("--model-shape", help="roofline model for GPU pools: a preset (Llama-3-8B, ...) or a "
+                                         "checkpoint folder; pools name their GPU in resources.accelerator_type")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=">= 2; for length fitting when neither config nor profile says (default 8192)")
+    add_workload_arguments(p)
+    p.add_argument("--json", help="write every figure and per-request records here (bench serve's layout)")
+    p.add_argument("--plot", help="write PNG plots into this directory")
+
+
+def load_shape(name: str):
+    from cluster.planning.roofline import PRESETS
+
+    if name in PRESETS:
+        return PRESETS[name]
+    if Path(name).is_dir():
+        from engine.config import ModelConfig
+
+        return ModelConfig.from_pretrained(name)
+    raise ValueError(f"--model-shape {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
+
+
+def build_cluster(args: argparse.Namespace):
+    """(SimCluster, max_model_len) from the cluster and latency flags; ValueError on bad input."""
+    from cluster.planning.latency import LatencyModel
+    from cluster.planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
+    from cluster.serve import load_config
+
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    for flag, v in (("--prefill", args.prefill), ("--decode", args.decode)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    ns = argparse.Namespace(config=args.config, prefill=args.prefill, decode=args.decode, mode=args.mode,
+                            model=None, host=None, port=None, policy=args.policy, kv_transport=args.kv_transport)
+    cfg = load_config(ns)
+    profile = LatencyModel.load(args.profile) if args.profile else None
+    pool_profiles = {}
+    for item in args.pool_profile:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--pool-profile must be POOL=FILE, got {item!r}")
+        pool_profiles[name] = LatencyModel.load(path)
+    shape = load_shape(args.model_shape) if args.model_shape else None
+    max_len = cfg.max_model_len or args.max_model_len or (profile.meta.get("max_model_len") if profile else None) \
+        or DEFAULT_MAX_MODEL_LEN
+    return sim_cluster(cfg, profile=profile, pool_profiles=pool_profiles, shape=shape, max_model_len=max_len), max_len
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.serve import report
+    from bench.serve.metrics import summarize
+    from bench.serve.workload_args import validate_workload_arguments, workload_from_args
+    from cluster.planning.simulator import simulate
+
+    try:
+        percentiles, slo = validate_workload_arguments(args)
+        cluster, max_len = build_cluster(args)
+        wl = workload_from_args(args, max_len)
+    except (ValueError, OSError) as exc:
+        print(f"pdcluster plan simulate: {exc}", file=sys.stderr)
+        return 2
+    res = simulate(cluster, wl, args.max_concurrency)
+    summary = summarize(res.records, res.duration_s, percentiles, slo or None)
+    print(f"simulated {len(wl.requests)} requests on {cluster.describe()} in {res.wall_s:.2f} s")
+    print(report.format_table(summary))
+    for name, w in res.workers.items():
+        print(f"  {name:<14} {w['role']:<9} busy {w['busy_fraction']:6.1%}  steps {w['steps']:>7}  "
+              f"mean decode batch {w['mean_decode_batch']:6.2f}  preemptions {w['preemptions']}")
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        config.update(simulated=True, cluster=cluster.describe(), workload=wl.name, workload_meta=wl.meta,
+                      block_tokens=wl.block_tokens, workers=res.workers, sim_wall_s=res.wall_s)
+        report.write_json(args.json, summary, res.records, config)
+    if args.plot:
+        report.write_plots(args.plot, res.records, res.timeline)
+    return 0

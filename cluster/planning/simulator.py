@@ -1,0 +1,367 @@
+"""Discrete-event simulation of the cluster serving a workload.
+
+The same request way as the real cluster (DESIGN.md), with step times from a `LatencyModel`
+per pool instead of tensors:
+
+    arrival -> router admission (max_inflight running, max_queue waiting, else rejected)
+    -> decode pick (policy) -> destination pages reserved (or QUEUED_FOR_PAGES until free;
+       an uncached prompt under local_prefill_threshold, or a colocated worker: LOCAL_PREFILL)
+    -> prefill pick (policy) -> prefill engine (batching, chunks, prefix cache) -> first token
+       (TTFT) -> KV transfer on the prefill worker's link, layer by layer behind the last step
+    -> decode engine (continuous batching, pages, preemption by recompute) -> one token per
+       step -> finished: pages and the router slot come back.
+
+Every worker is an `EngineSim` (sim_engine.py), the engine scheduler's rules in step times.
+The output is what `bench serve` measures on a real endpoint: one `RequestRecord` per request
+(TTFT, chunk times, tokens, server timings and placement), so `bench.serve.metrics.summarize`
+gives the same table and JSON, plus per-worker statistics.
+
+The transfer of a request's KV starts with its last prefill step (layers are sent as each is
+computed) and ends no earlier than one layer's share after that step; transfers from one
+prefill worker share its link, first come first served.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from bench.serve.client import Timeline
+from bench.serve.metrics import RequestRecord
+from bench.serve.workloads import Workload
+from cluster.planning.latency import LatencyModel
+from cluster.planning.sim_engine import EngineLimits, EngineSim, SimRequest
+
+ROLES = ("prefill", "decode", "colocated")
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+
+
+@dataclass(slots=True)
+class SimPool:
+    name: str
+    role: str
+    replicas: int
+    latency: LatencyModel
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    local_prefill_threshold: int = 0
+    reserve_pages: int = 0
+    hardware: str = "cpu"            # what one replica runs on (for reports and costs)
+    gpus_per_replica: int = 0
+    price_per_hour: float = 0.0      # per replica
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"pool {self.name}: role must be one of {ROLES}, got {self.role!r}")
+        if self.replicas < 1:
+            raise ValueError(f"pool {self.name}: replicas must be >= 1, got {self.replicas}")
+
+
+@dataclass(slots=True)
+class SimCluster:
+    pools: list[SimPool]
+    policy: str = "prefix-aware"
+    max_inflight: int = 64
+    max_queue: int = 256
+    transport: str = "nixl"
+    first_token_delay_s: float = 0.0   # router and network time on the first token's way to the client
+    token_delay_s: float = 0.0         # the same for every later chunk
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        roles = {p.role for p in self.pools}
+        if not roles & {"decode", "colocated"}:
+            raise ValueError("a cluster needs a decode or colocated pool")
+        if ("prefill" in roles) != ("decode" in roles):
+            raise ValueError("prefill and decode pools come together (or use a colocated pool)")
+        if self.max_inflight < 1 or self.max_queue < 0:
+            raise ValueError(f"max_inflight must be >= 1 and max_queue >= 0, got {self.max_inflight}, {self.max_queue}")
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if all(p.role == "colocated" for p in self.pools) else "disaggregated"
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.replicas}x{p.role[0].upper()}[{p.hardware}]" for p in self.pools)
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float
+    timeline: Timeline
+    workers: dict[str, dict]
+    wall_s: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _View:
+    """The router's own counts for one worker (what the real router's WorkerView holds)."""
+    worker: EngineSim
+    inflight: int = 0
+    inflight_tokens: int = 0
+    placed: int = 0
+    local_threshold: int = 0
+    reserve: int = 0
+    page_queue: deque = field(default_factory=deque)
+    link_free: float = 0.0
+    kick_pending: bool = False
+
+
+class Simulator:
+    def __init__(self, cluster: SimCluster) -> None:
+        self.cluster = cluster
+        self.prefills: list[_View] = []
+        self.decodes: list[_View] = []
+        for pool in cluster.pools:
+            for i in range(pool.replicas):
+                w = EngineSim(f"{pool.name}-{i}", pool.role, pool.latency, pool.limits, self._on_sampled)
+                v = _View(w, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
+                (self.prefills if pool.role == "prefill" else self.decodes).append(v)
+        self._view = {v.worker: v for v in self.prefills + self.decodes}
+        self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._events: list = []
+        self._seq = itertools.count()
+        self._inflight = 0
+        self._queue: deque[SimRequest] = deque()
+        self._held: dict[int, int] = {}   # request index -> prefill pages held until its transfer ends
+
+    # ---- the event loop ---------------------------------------------------------------------
+    def run(self, workload: Workload, max_concurrency: int | None = None) -> SimResult:
+        import time
+
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        t_wall = time.perf_counter()
+        reqs = _to_sim_requests(workload)
+        self._timeline = Timeline()
+        self._state = {"in_flight": 0, "waiting": 0}
+        self._client_cap = max_concurrency
+        self._client_queue: deque[SimRequest] = deque()
+        for r in reqs:
+            self._push(r.arrival, 0, r)
+        events = self._events
+        now = 0.0
+        while events:
+            now, _, kind, obj = heapq.heappop(events)
+            if kind == 0:
+                self._arrive(obj, now)
+            elif kind == 1:
+                self._step_done(obj, now)
+            elif kind == 2:
+                self._kv_done(obj, now)
+            else:
+                self._start_step(obj, now)
+        end = max([r.finished for r in reqs] + [r.arrival for r in reqs] + [0.0])
+        records = [self._record(r) for r in reqs]
+        workers = {v.worker.name: _worker_stats(v.worker, end) for v in self.prefills + self.decodes}
+        return SimResult(records, max(end, 1e-9), self._timeline, workers, time.perf_counter() - t_wall)
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, obj))
+
+    def _note(self, now: float, key: str, delta: int) -> None:
+        self._state[key] += delta
+        self._timeline.samples.append((now, self._state["in_flight"], self._state["waiting"]))
+
+    def _kick(self, view: _View, now: float) -> None:
+        """Start the worker's next step once every event of this instant is in (requests that
+        arrive together are batched together, as the engine loop would find them)."""
+        if not view.kick_pending and not view.worker.busy:
+            view.kick_pending = True
+            self._push(now, 3, view)
+
+    def _start_step(self, view: _View, now: float) -> None:
+        view.kick_pending = False
+        end = view.worker.start_step(now)
+        if end is not None:
+            self._push(end, 1, view)
+
+    # ---- router: admission and placement ------------------------------------------------------
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        if self._client_cap is not None and self._state["in_flight"] >= self._client_cap:
+            self._client_queue.append(req)
+            self._note(now, "waiting", +1)
+            return
+        self._note(now, "in_flight", +1)
+        req.arrival = now  # the send time (later than scheduled when it waited for the client cap)
+        if self._inflight < self.cluster.max_inflight:
+            self._admit(req, now)
+        elif len(self._queue) < self.cluster.max_queue:
+            self._queue.append(req)
+        else:
+            req.error = "RESOURCE_EXHAUSTED"
+            self._close(req, now)
+
+    def _admit(self, req: SimRequest, now: float) -> None:
+        self._inflight += 1
+        req.admitted = now
+        dview = self._pick_decode(req)
+        dview.inflight += 1
+        dview.placed += 1
+        dec = dview.worker
+        req.decode_worker = dec.name
+        if dec.role == "colocated" or (dview.local_threshold and
+                                       req.prompt_len - dec.cached_prefix_tokens(req) < dview.local_threshold):
+            req.local_prefill = True
+            req.prefill_start = now
+            dec.add(req)
+            self._kick(dview, now)
+            return
+        if not dview.page_queue and self._reserve(dview, req):
+            self._dispatch_prefill(req, now)
+        else:
+            dview.page_queue.append(req)
+
+    def _reserve(self, dview: _View, req: SimRequest) -> bool:
+        n = dview.worker.limits.pages_for(req.prompt_len)
+        if not dview.worker.try_reserve(n, dview.reserve):
+            return False
+        req.pages = n  # the destination pages; the prefill side's are counted apart
+        return True
+
+    def _admit_queued_pages(self, dview: _View, now: float) -> None:
+        while dview.page_queue and self._reserve(dview, dview.page_queue[0]):
+            self._dispatch_prefill(dview.page_queue.popleft(), now)
+
+    def _dispatch_prefill(self, req: SimRequest, now: float) -> None:
+        pview = self._pick_prefill(req)
+        pview.inflight += 1
+        pview.placed += 1
+        pview.inflight_tokens += req.prompt_len
+        req.prefill_worker = pview.worker.name
+        req.prefill_start = now
+        req.dest_pages, req.pages = req.pages, 0
+        pview.worker.add(req)
+        self._kick(pview, now)
+
+    def _pick_decode(self, req: SimRequest) -> _View:
+        views = self.decodes
+        if self.cluster.policy == "round-robin":
+            return views[next(self._rr["decode"]) % len(views)]
+        return min(views, key=lambda v: (v.inflight, -v.worker.free_pages, v.placed))
+
+    def _pick_prefill(self, req: SimRequest) -> _View:
+        views = self.prefills
+        policy = self.cluster.policy
+        if policy == "round-robin":
+            return views[next(self._rr["prefill"]) % len(views)]
+        if policy == "least-loaded" or not req.block_keys:
+            return min(views, key=lambda v: (v.inflight_tokens, v.inflight, v.placed))
+        return max(views, key=lambda v: (v.worker.matched_tokens(req) - v.inflight_tokens, -v.inflight, -v.placed))
+
+    # ---- workers --------------------------------------------------------------------------------
+    def _on_sampled(self, worker: EngineSim, req: SimRequest, now: float) -> bool:
+        if req.first_token < 0:  # sampled here from the prompt: the first token
+            req.first_token = now
+            worker.remember_prompt(req)
+        if worker.role == "prefill":
+            view = self._view[worker]
+            view.inflight -= 1
+            view.inflight_tokens -= req.prompt_len
+            self._held[req.index] = req.pages
+            req.pages = 0
+            self._start_transfer(view, req, now)
+            return False
+        if req.generated >= req.output_len:
+            worker.release(req)
+            self._finish(req, now)
+            return False
+        return True
+
+    def _start_transfer(self, pview: _View, req: SimRequest, now: float) -> None:
+        lm = pview.worker.latency
+        dest = self._by_name[req.decode_worker].worker
+        req.kv_bytes = req.dest_pages * dest.limits.page_size * lm.kv_bytes_per_token
+        total = lm.transfer_time(req.kv_bytes, self.cluster.transport)
+        start = max(pview.link_free, pview.worker.last_step_start)
+        end = max(start + total, now + total / max(lm.num_layers, 1))
+        pview.link_free = end
+        self._push(end, 2, req)
+
+    def _kv_done(self, req: SimRequest, now: float) -> None:
+        pview = self._by_name[req.prefill_worker]
+        pview.worker.free_pages += self._held.pop(req.index)
+        self._kick(pview, now)
+        req.kv_done = now
+        dview = self._by_name[req.decode_worker]
+        req.pages = req.dest_pages
+        if req.generated >= req.output_len:  # a one-token answer: nothing to decode
+            dview.worker.release(req)
+            self._finish(req, now)
+            self._admit_queued_pages(dview, now)
+            return
+        dview.worker.join(req)
+        self._kick(dview, now)
+
+    def _step_done(self, view: _View, now: float) -> None:
+        view.worker.finish_step()
+        if view.worker.role != "prefill":
+            self._admit_queued_pages(view, now)
+        self._kick(view, now)
+
+    # ---- the end of a request ----------------------------------------------------------------
+    def _finish(self, req: SimRequest, now: float) -> None:
+        dview = self._by_name[req.decode_worker]
+        dview.inflight -= 1
+        self._inflight -= 1
+        self._close(req, now)
+        if self._queue:
+            self._admit(self._queue.popleft(), now)
+
+    def _close(self, req: SimRequest, now: float) -> None:
+        req.finished = now
+        self._note(now, "in_flight", -1)
+        if self._client_queue:
+            nxt = self._client_queue.popleft()
+            self._note(now, "waiting", -1)
+            self._arrive(nxt, now)
+
+    def _record(self, r: SimRequest) -> RequestRecord:
+        c = self.cluster
+        rec = RequestRecord(index=r.index, request_id=f"sim-{r.index}", scheduled_s=r.scheduled, start_s=r.arrival,
+                            prompt_len=r.prompt_len, max_tokens=r.output_len)
+        if r.error or not r.token_times:
+            rec.error = r.error or "NOT_FINISHED"
+            return rec
+        times = [r.token_times[0] + c.first_token_delay_s] + [t + c.token_delay_s for t in r.token_times[1:]]
+        rec.ok = True
+        rec.chunk_times_s = [t - r.arrival for t in times]
+        rec.ttft_s = rec.chunk_times_s[0]
+        rec.e2e_s = rec.chunk_times_s[-1]
+        rec.output_tokens = len(times)
+        rec.cached_tokens = max(r.cached, 0)
+        rec.server = {"queue_s": r.admitted - r.arrival, "prefill_s": r.first_token - r.prefill_start,
+                      "transfer_s": (r.kv_done - r.first_token) if r.kv_done >= 0 else 0.0,
+                      "prefill_worker": r.prefill_worker or r.decode_worker, "decode_worker": r.decode_worker,
+                      "local_prefill": r.local_prefill, "preemptions": r.preemptions,
+                      "kv_bytes": r.kv_bytes}
+        return rec
+
+
+def _to_sim_requests(workload: Workload) -> list[SimRequest]:
+    """Workload requests -> SimRequests; prefix block ids become chained keys (a block's key
+    names it and every block before it, as the engine's page hashes do)."""
+    chain: dict[tuple, int] = {}
+    out = []
+    for w in workload.requests:
+        keys, prev = [], -1
+        for b in w.prefix_blocks:
+            prev = chain.setdefault((prev, b), len(chain))
+            keys.append(prev)
+        out.append(SimRequest(w.index, w.arrival_s, w.prompt_len, w.output_len, tuple(keys), workload.block_tokens,
+                              scheduled=w.arrival_s))
+    return out
+
+
+def _worker_stats(w: EngineSim, end: float) -> dict:
+    return {"role": w.role, "busy_fraction": w.busy_s / end if end > 0 else 0.0, "steps": w.steps,
+            "mean_batched_tokens": w.batched_tokens / w.steps if w.steps else 0.0,
+            "mean_decode_batch": w.decode_seqs / w.steps if w.steps else 0.0, "preemptions": w.preemptions,
+            "cached_prompt_tokens": w.cached_tokens, "computed_prompt_tokens": w.computed_prompt_tokens}
+
+
+def simulate(cluster: SimCluster, workload: Workload, max_concurrency: int | None = None) -> SimResult:
+    return Simulator(cluster).run(workload, max_concurrency)

@@ -1,0 +1,165 @@
+"""The cluster simulator against closed forms (M/D/1 queueing, fixed-batch decode, transfer
+overlap), the engine rules it copies (prefix cache, pages and preemption, admission limits,
+colocated stalls), and the `plan simulate` command line."""
+import json
+import time
+
+import pytest
+
+from bench.serve.metrics import summarize
+from bench.serve.workloads import Workload, WorkloadRequest, data_dir, gamma_arrivals
+from cluster.planning.latency import LatencyModel
+from cluster.planning.sim_engine import EngineLimits
+from cluster.planning.simulator import SimCluster, SimPool, simulate
+
+LM = LatencyModel(prefill=(0.02, 0.08 / 512, 0.0, 0.0), decode=(0.01, 0.001, 1e-6), kv_bytes_per_token=1000,
+                  transfer_bytes_per_s=1e12)
+BIG = EngineLimits(page_size=16, num_pages=1 << 20, max_num_batched_tokens=512, max_num_seqs=4096)
+
+
+def disagg(lm=LM, prefill_limits=BIG, decode_limits=BIG, **kw) -> SimCluster:
+    return SimCluster([SimPool("p", "prefill", 1, lm, prefill_limits), SimPool("d", "decode", 1, lm, decode_limits)],
+                      max_inflight=1 << 20, max_queue=1 << 20, **kw)
+
+
+def wl(specs, block_tokens=0) -> Workload:
+    return Workload([WorkloadRequest(i, *s) for i, s in enumerate(specs)], block_tokens, "t")
+
+
+def test_single_prefill_worker_ttft_is_md1():
+    """Poisson arrivals, one prefill worker taking one 512-token prompt per step (D = 0.1 s):
+    mean TTFT = D + rho*D / (2(1 - rho)), the M/D/1 mean sojourn time."""
+    lam, d = 6.0, LM.prefill_time(512)
+    arrivals = gamma_arrivals(20000, lam, 1.0, seed=3)
+    res = simulate(disagg(), wl([(t, 512, 2) for t in arrivals]))
+    s = summarize(res.records, res.duration_s)
+    rho = lam * d
+    want_ms = (d + rho * d / (2 * (1 - rho))) * 1e3
+    assert s["failed"] == 0
+    assert s["ttft_ms"]["mean"] == pytest.approx(want_ms, rel=0.04)
+    assert res.workers["p-0"]["busy_fraction"] == pytest.approx(rho, rel=0.03)
+
+
+def test_fixed_batch_decode_throughput_is_closed_form():
+    """b requests of P prompt tokens and O outputs, all at t=0 on one colocated worker: one
+    prefill step, then O-1 decode steps with batch b and context b*(P+k)."""
+    b, p, o = 8, 100, 50
+    d0, d1, d2 = LM.decode
+    limits = EngineLimits(16, 1 << 20, b * p, b)
+    res = simulate(SimCluster([SimPool("c", "colocated", 1, LM, limits)]), wl([(0.0, p, o)] * b))
+    decode_s = sum(d0 + d1 * b + d2 * b * (p + k) for k in range(1, o))
+    prefill_s = LM.step_time([(p, 0)] * b)
+    assert res.duration_s == pytest.approx(prefill_s + decode_s, rel=1e-9)
+    s = summarize(res.records, res.duration_s)
+    assert s["tpot_ms"]["mean"] == pytest.approx(decode_s / (o - 1) * 1e3, rel=1e-9)
+    assert s["total_output_tokens"] == b * o and res.workers["c-0"]["mean_decode_batch"] > b * 0.95
+
+
+def test_transfer_hides_behind_the_last_prefill_step_layer_by_layer():
+    step = LM.prefill_time(512)
+    for transfer_s, want in ((0.5 * step, 0.5 * step / 8), (3 * step, 2 * step)):
+        lm = LatencyModel(prefill=LM.prefill, decode=LM.decode, kv_bytes_per_token=1000, num_layers=8,
+                          transfer_bytes_per_s=512 * 1000 / transfer_s)
+        rec = simulate(disagg(lm), wl([(0.0, 512, 3)])).records[0]
+        assert rec.server["transfer_s"] == pytest.approx(want, rel=1e-6)
+        assert rec.server["kv_bytes"] == 512 * 1000
+        assert rec.chunk_times_s[1] == pytest.approx(step + want + lm.decode_time(1, 513), rel=1e-6)
+
+
+def test_shared_prefix_blocks_hit_the_cache_and_route_to_it():
+    """Two prefill workers; requests sharing Mooncake blocks go where the blocks are cached and
+    compute only their new tokens."""
+    reqs = [(float(i), 300, 4, (1, 2, 3)) for i in range(6)]
+    c = SimCluster([SimPool("p", "prefill", 2, LM, BIG), SimPool("d", "decode", 1, LM, BIG)])
+    res = simulate(c, wl(reqs, block_tokens=64))
+    recs = res.records
+    assert recs[0].cached_tokens == 0
+    assert all(r.cached_tokens == 192 for r in recs[1:])  # 3 blocks of 64 tokens, whole pages
+    assert len({r.server["prefill_worker"] for r in recs}) == 1
+    computed = sum(w["computed_prompt_tokens"] for w in res.workers.values())
+    assert computed == 300 + 5 * (300 - 192)
+
+
+def test_decode_pages_run_out_preempt_and_every_request_still_completes():
+    limits = EngineLimits(page_size=16, num_pages=40, max_num_batched_tokens=512, max_num_seqs=64)
+    res = simulate(disagg(decode_limits=limits), wl([(0.0, 100, 200)] * 4))
+    s = summarize(res.records, res.duration_s)
+    assert s["failed"] == 0 and s["total_output_tokens"] == 4 * 200
+    assert res.workers["d-0"]["preemptions"] > 0
+    assert all(len(r.chunk_times_s) == 200 for r in res.records)
+
+
+def test_router_queue_limits_reject_with_resource_exhausted():
+    c = SimCluster([SimPool("c", "colocated", 1, LM, BIG)], max_inflight=2, max_queue=3)
+    res = simulate(c, wl([(0.0, 64, 8)] * 10))
+    s = summarize(res.records, res.duration_s)
+    assert s["completed"] == 5 and s["errors"] == {"RESOURCE_EXHAUSTED": 5}
+    assert max(r.server["queue_s"] for r in res.records if r.ok) > 0
+
+
+def test_colocated_prefill_stalls_running_streams_and_disaggregation_does_not():
+    """A long prompt arriving mid-stream: on a colocated worker the stream's gap is the mixed
+    step; on a decode worker it never sees the prefill."""
+    reqs = [(0.0, 32, 60), (0.3, 512, 2)]
+    colo = simulate(SimCluster([SimPool("c", "colocated", 1, LM, BIG)]), wl(reqs)).records[0]
+    dis = simulate(disagg(), wl(reqs)).records[0]
+    mixed = LM.step_time([(512, 0)], 1, 0)
+    assert max(colo.itls_s) >= mixed * 0.99
+    assert max(dis.itls_s) < LM.decode_time(2, 1200) * 1.01
+
+
+def test_client_concurrency_cap_is_respected():
+    res = simulate(SimCluster([SimPool("c", "colocated", 1, LM, BIG)]), wl([(0.0, 64, 8)] * 10), max_concurrency=3)
+    assert max(s[1] for s in res.timeline.samples) == 3
+    assert all(r.ok for r in res.records)
+
+
+@pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
+def test_an_hour_of_azure_conversation_simulates_in_under_30_s():
+    from bench.serve.workloads import build_workload
+    from cluster.planning.hardware import get_gpu
+    from cluster.planning.roofline import model_shape, roofline_latency_model
+
+    lm = roofline_latency_model(model_shape("Llama-3-8B"), get_gpu("H100"))
+    limits = EngineLimits(16, 30000, 8192, 256)
+    c = SimCluster([SimPool("p", "prefill", 2, lm, limits), SimPool("d", "decode", 2, lm, limits)],
+                   max_inflight=4096, max_queue=1 << 20)
+    w = build_workload("azure-conv")
+    t0 = time.perf_counter()
+    res = simulate(c, w)
+    assert time.perf_counter() - t0 < 30
+    assert res.duration_s > 3500 and all(r.ok for r in res.records)
+
+
+def test_plan_simulate_cli_with_a_config_and_a_profile(tmp_path, capsys):
+    from cluster.cli import main
+
+    prof = tmp_path / "prof.json"
+    LatencyModel(prefill=(0.02, 1e-4, 0, 0), decode=(0.01, 1e-3, 0), kv_bytes_per_token=4096, num_layers=4,
+                 meta={"max_model_len": 1024}).save(prof)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: tiny\npools:\n"
+                   "  - {name: pre, role: prefill, replicas: 2}\n"
+                   "  - {name: dec, role: decode, replicas: 1, engine: {num_pages: 500}}\n")
+    out = tmp_path / "sim.json"
+    rc = main(["plan", "simulate", "--config", str(cfg), "--profile", str(prof), "--dataset", "random",
+               "--num-requests", "40", "--request-rate", "5", "--goodput", "ttft:500", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "pre-1" in text and "dec-0" in text
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["completed"] == 40 and len(doc["requests"]) == 40
+    assert doc["config"]["simulated"] is True
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--prefill", "0"], "--prefill must be >= 1"),
+    (["--max-model-len", "1"], "--max-model-len must be >= 2"),
+    ([], "no latency model"),
+])
+def test_plan_simulate_cli_rejects_bad_input(argv, needle, capsys):
+    from cluster.cli import main
+
+    assert main(["plan", "simulate", *argv]) == 2
+    assert needle in capsys.readouterr().err
