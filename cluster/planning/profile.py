@@ -18,7 +18,7 @@ from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024), "cached": (0, 256, 512),
-        "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256), "decode_steps": 4,
+        "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256, 1024), "decode_steps": 4,
         "transfer_tokens": (64, 256, 1024, 2048), "transfer_repeats": 3}
 QUICK = {"prefill_tokens": (16, 64, 256, 512), "cached": (0, 64), "batch": (1, 2, 4, 8),
          "ctx_per_seq": (32, 96), "decode_steps": 3, "transfer_tokens": (64, 512), "transfer_repeats": 2}
@@ -86,15 +86,21 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     for b in tqdm(grid["batch"], desc="decode", leave=False):
         for L in grid["ctx_per_seq"]:
             steps = grid["decode_steps"]
-            for _ in range(b):
-                eng.add_request(_prompt(rng, L, vocab), SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
-            eng.step()  # the whole batch prefills in one step (budget allows it)
-            for k in range(steps):
+            # enough tokens that no request finishes while a chunked batch prefill completes
+            params = SamplingParams(temperature=0, max_tokens=eng.max_model_len - L - 1, ignore_eos=True)
+            rids = [eng.add_request(_prompt(rng, L, vocab), params) for _ in range(b)]
+            sched = eng.scheduler
+            # prefill the batch first (it may take several chunked steps): only steps in
+            # which all b sequences decode are timed, at their context then
+            while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+                eng.step()
+            for _ in range(steps):
+                ctx = sum(r.num_computed_tokens + 1 for r in sched.running)
                 t0 = time.perf_counter()
                 eng.step()
-                decode.append((b, b * (L + 1 + k), time.perf_counter() - t0))
-            while eng.has_unfinished_requests():
-                eng.step()
+                decode.append((b, ctx, time.perf_counter() - t0))
+            for rid in rids:
+                eng.abort_request(rid)
     fp, fd = fit_prefill(prefill), fit_decode(decode)
     kv = eng.config.kv_bytes_per_token * torch.finfo(getattr(torch, dtype)).bits // 8
     transfer = profile_transfer(eng.config, dtype, page_size, transports, quick) if transports else {}

@@ -1,0 +1,127 @@
+"""Check the simulator against the real cluster on this machine.
+
+For each case (a cluster shape and a workload that run here): simulate it with the profile's
+latency model, then start the real cluster (local Ray on 127.0.0.1, the same config), replay
+the same workload with `bench serve`'s client, and compare the figures users read: TTFT
+p50/p90, TPOT p50/p90, request and output throughput. The relative error is
+predicted / measured - 1.
+
+Both sides get exactly the same requests (same trace slice, scaling, arrival times and seeds);
+prompts get fresh tokens per case, so no case hits the prefix cache another case left.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+from bench.serve.metrics import summarize
+from bench.serve.workloads import Workload, build_workload, materialize_prompts
+from cluster.planning.latency import LatencyModel
+
+FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
+           ("request_throughput", None), ("output_throughput", None))
+TARGET = 0.10
+
+
+@dataclass(slots=True)
+class Case:
+    name: str
+    mode: str = "disaggregated"       # or colocated
+    prefill: int = 1
+    decode: int = 1                   # colocated: the number of workers
+    dataset: str = "azure-conv"
+    num_requests: int = 40
+    request_rate: float = 0.5         # Poisson arrivals at this rate
+    length_scale: float = 0.5
+    seed: int = 0
+
+    def describe(self) -> str:
+        shape = f"{self.decode} colocated" if self.mode == "colocated" else f"{self.prefill}P+{self.decode}D"
+        return (f"{shape}, {self.dataset} x{self.length_scale:g} lengths, {self.num_requests} requests at "
+                f"{self.request_rate:g} req/s")
+
+
+CASES: dict[str, Case] = {c.name: c for c in (
+    Case("disagg-low", request_rate=0.4),
+    Case("disagg-high", request_rate=0.8),
+    Case("colocated", mode="colocated", decode=2, request_rate=0.8),
+)}
+
+
+def figure(summary: dict, metric: str, stat: str | None) -> float | None:
+    if stat is None:
+        return float(summary[metric])
+    v = summary[f"{metric}_ms"].get(stat)
+    return None if v is None else float(v)
+
+
+def compare(predicted: dict, measured: dict) -> list[dict]:
+    rows = []
+    for metric, stat in FIGURES:
+        p, m = figure(predicted, metric, stat), figure(measured, metric, stat)
+        err = (p / m - 1.0) if p is not None and m else None
+        rows.append({"figure": f"{metric} {stat or ''}".strip(), "predicted": p, "measured": m, "rel_err": err})
+    return rows
+
+
+def case_config(case: Case, model: str, dtype: str, transport: str):
+    from cluster.config import ClusterConfig
+
+    return ClusterConfig.embedded(model=model, prefill=case.prefill, decode=case.decode, mode=case.mode,
+                                  transport=transport, port=0, engine={"dtype": dtype})
+
+
+def case_workload(case: Case, max_model_len: int) -> Workload:
+    return build_workload(case.dataset, num_requests=case.num_requests, length_scale=case.length_scale,
+                          max_model_len=max_model_len, request_rate=case.request_rate, seed=case.seed)
+
+
+def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int) -> dict:
+    from cluster.planning.sim_config import sim_cluster
+    from cluster.planning.simulator import simulate
+
+    cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
+    res = simulate(cluster, case_workload(case, max_model_len))
+    return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s}
+
+
+def measure(case: Case, model: str, dtype: str, transport: str, max_model_len: int, salt: int) -> dict:
+    from bench.serve.client import model_info, run_benchmark
+    from cluster.runtime import Cluster
+
+    wl = case_workload(case, max_model_len)
+    cluster = Cluster(case_config(case, model, dtype, transport))
+    address = cluster.start()
+    try:
+        info = asyncio.run(model_info(address))
+        materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
+        records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
+    finally:
+        cluster.stop()
+    return {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records)}
+
+
+def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
+             max_model_len: int, log=print) -> list[dict]:
+    out = []
+    for i, case in enumerate(cases):
+        t0 = time.time()
+        pred = predict(case, lm, model, dtype, transport, max_model_len)
+        meas = measure(case, model, dtype, transport, max_model_len, salt=i + 1)
+        rows = compare(pred["summary"], meas["summary"])
+        out.append({"case": asdict(case), "description": case.describe(), "rows": rows,
+                    "predicted": pred, "measured": meas, "wall_s": time.time() - t0})
+        log(format_case(out[-1]))
+    return out
+
+
+def format_case(result: dict) -> str:
+    lines = [f"== {result['case']['name']}: {result['description']} (failed: {result['measured']['failed']})",
+             f"   {'figure':<22}{'predicted':>12}{'measured':>12}{'error':>9}"]
+    for r in result["rows"]:
+        p = "-" if r["predicted"] is None else f"{r['predicted']:.2f}"
+        m = "-" if r["measured"] is None else f"{r['measured']:.2f}"
+        e = "-" if r["rel_err"] is None else f"{r['rel_err']:+.1%}"
+        lines.append(f"   {r['figure']:<22}{p:>12}{m:>12}{e:>9}")
+    return "\n".join(lines)
