@@ -1,15 +1,19 @@
 """`bench serve` against a real in-process router with one prefill and one decode worker on
 the built-in tiny llama (local KV transfer), over gRPC on loopback; the router's Prometheus
-`/metrics` is scraped and parsed while the benchmark runs and must agree with it."""
+`/metrics` is scraped and parsed while the benchmark runs and must agree with it (KV transfer
+bytes included). A refused request keeps the server's reason; the scaled Mooncake trace's
+shared blocks are prefix-cache hits on the server."""
 from __future__ import annotations
 
 import json
 import threading
 
+import pytest
+
 from bench.serve.client import model_info, run_benchmark_sync
 from bench.serve.metrics import summarize
 from bench.serve.report import format_table, write_json
-from bench.serve.workloads import Workload, WorkloadRequest, build_workload, materialize_prompts
+from bench.serve.workloads import Workload, WorkloadRequest, build_workload, dataset_path, materialize_prompts
 from cluster.cli import main as pdcluster_main
 from tests.integration.test_metrics import (kv_bytes_moved, metrics_cluster, metrics_router,  # noqa: F401 (fixtures)
                                             per_worker, scrape, value)
@@ -103,3 +107,23 @@ def test_failed_request_keeps_the_servers_reason(metrics_router, tmp_path):
     write_json(tmp_path / "out.json", s, records, {})
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["requests"][0]["error_detail"] == too_long.error_detail
+
+
+@pytest.mark.skipif(not dataset_path("mooncake-conv").is_file(),
+                    reason=f"shared trace absent at {dataset_path('mooncake-conv')}")
+def test_mooncake_shared_prefix_hits_the_servers_prefix_cache(metrics_router, tmp_path):
+    """Every request of the Mooncake conversation trace starts with block 0 (its system prompt)
+    and shares nothing after it with the requests before it. Scaled by 1/16, a 512-token block
+    is 32 tokens = 2 full 16-token pages, so once the first request is prefilled, each later one
+    must find exactly those 32 tokens in the prefill worker's prefix cache (one at a time, so no
+    two prefills of the shared block overlap). `cached_tokens` is the server's own count."""
+    out = tmp_path / "mooncake.json"
+    rc = pdcluster_main(["bench", "serve", "--address", metrics_router.address, "--dataset", "mooncake-conv",
+                         "--num-requests", "6", "--length-scale", "0.0625", "--max-concurrency", "1",
+                         "--no-progress", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
+    cached = [r["cached_tokens"] for r in doc["requests"]]
+    assert cached[0] == 0 and cached[1:] == [32] * 5
+    assert doc["summary"]["cached_tokens"] == 32 * 5
