@@ -69,8 +69,8 @@ def test_busy_prefill_worker_is_late_not_dead(router):
 def test_silent_prefill_worker_leaves_placement_then_returns(router):
     server, ph, workers = router
     server.service.dispatcher.unresponsive_after_s = 0.3
-    busy = hold_engine_thread(ph, 1.5)
-    time.sleep(0.8)
+    busy = hold_engine_thread(ph, 2.5)
+    time.sleep(1.0)
     view = server.service.dispatcher.views["prefill-0"]
     assert not view.healthy and "no load answer" in view.error
     with pytest.raises(grpc.RpcError) as err:
