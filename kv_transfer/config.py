@@ -15,6 +15,8 @@ class TransferConfig:
     chunk_bytes: int = 1 << 20              # grpc: payload of one chunk
     max_inflight_chunks: int = 8            # grpc: unacknowledged chunks per stream
     grpc_max_message_bytes: int = 64 << 20  # grpc: both directions, set explicitly on channel and server
+    grpc_streams: int = 1                   # grpc: parallel Push streams (own TCP connections) per destination
+    grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
@@ -32,3 +34,5 @@ class TransferConfig:
                              "under grpc_max_message_bytes")
         if self.max_inflight_chunks < 1:
             raise ValueError("TransferConfig.max_inflight_chunks must be >= 1")
+        if not 1 <= self.grpc_streams <= 16:
+            raise ValueError(f"TransferConfig.grpc_streams must be in [1, 16], got {self.grpc_streams}")

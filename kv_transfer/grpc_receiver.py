@@ -5,9 +5,9 @@ Lifecycle per request: expect() -> sender Handshake (once per sender) -> Begin (
 dst page ids against the allocation) -> Push stream of chunks, each acknowledged (the
 sender keeps at most `max_inflight_chunks` unacknowledged, which bounds memory; chunks sent
 with `defer_ack` are counted by the next Ack's `items` instead) -> final notice -> DONE.
-Chunks are written from the message's own bytes (a read-only view, no copy): whole-page
-chunks with one `index_copy_` into the destination pages, token runs through
-mapping.write_token_run. A rejected chunk fails the request and ends the stream with a refusal;
+Chunks are written from the message's own bytes (wire.decode_push: a read-only view, no
+copy through protobuf): whole-page chunks span by span (mapping.write_pages) into the
+destination pages, token runs through mapping.write_token_run. A rejected chunk fails the request and ends the stream with a refusal;
 a stream that breaks or ends before its final notice fails the request; the deadline
 fails anything still open. Failed requests' pages go back through `on_release`.
 """
@@ -18,15 +18,18 @@ import warnings
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import torch
 
 from kv_transfer.base import KVReceiver, Ticker
 from kv_transfer.config import TransferConfig
 from kv_transfer.handshake import answer
+from kv_transfer.heap import keep_message_buffers
 from kv_transfer.layout import KVLayout, KVPool, torch_dtype
-from kv_transfer.mapping import write_token_run
+from kv_transfer.mapping import write_pages, write_token_run
 from kv_transfer.receiver_book import ReleaseFn, TransferRejected
 from kv_transfer.service import serve
+from kv_transfer.wire import PushFrame
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ class GrpcReceiver(KVReceiver):
 
     def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None) -> None:
         super().__init__(pool, config or TransferConfig(), on_release)
+        if self.config.grpc_tune_malloc:
+            keep_message_buffers(self.config.chunk_bytes)
         self._senders: dict[str, KVLayout] = {}
         self._server, self._port = serve(self, self.config)
         self._reaper = Ticker("kv-grpc-reaper", self._reap, 0.02)
@@ -73,36 +78,40 @@ class GrpcReceiver(KVReceiver):
         self.book.fail(request.request_id, f"cancelled by sender: {request.reason}")
         return pb.Ack(ok=True)
 
-    def handle_push(self, items: Iterator[pb.PushItem], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
-        open_requests: set[str] = set()
+    def handle_push(self, items: Iterator[PushFrame], context: grpc.ServicerContext) -> Iterator[pb.Ack]:
+        open_requests: dict[str, str] = {}  # request -> sender, chunks of it came on this stream
         unacked = 0  # deferred chunks the next Ack covers
+        clean_end = False
         try:
             for item in items:
                 unacked += 1
-                if item.HasField("chunk"):
-                    open_requests.add(item.chunk.request_id)
-                    ack = self._write_chunk(item.chunk)
+                if item.chunk is not None:
+                    open_requests[item.chunk.request_id] = item.chunk.sender_id
+                    ack = self._write_chunk(item.chunk, item.payload)
                     if ack.ok and item.chunk.defer_ack:
                         continue
                 else:
                     ack = self._final(item.final)
                     if ack.ok:
-                        open_requests.discard(item.final.request_id)
+                        open_requests.pop(item.final.request_id, None)
                 ack.items, unacked = unacked, 0
                 yield ack
                 if not ack.ok:
                     return
+            clean_end = True
         except TransferRejected as exc:
             yield pb.Ack(ok=False, reason=str(exc))
         finally:
-            for rid in open_requests:
-                self.book.fail(rid, "sender stream ended before its final notice")
+            # A sender's lanes other than the one carrying its final notice end cleanly once
+            # that sender is done; any other end leaves the request short of bytes or notice.
+            for rid, sender_id in open_requests.items():
+                if not (clean_end and self.book.has_final(rid, sender_id)):
+                    self.book.fail(rid, "sender stream ended before its final notice")
 
-    def _write_chunk(self, chunk: pb.PageChunk) -> pb.Ack:
-        raw = chunk.data
+    def _write_chunk(self, chunk: pb.PageChunk, raw: memoryview) -> pb.Ack:
         dst_page_ids = list(chunk.dst_page_ids)
         inc = self.book.check_run(chunk.request_id, chunk.sender_id, chunk.layer, chunk.token_start,
-                                  chunk.num_tokens, dst_page_ids, len(raw), whole_pages=chunk.whole_pages)
+                                  chunk.num_tokens, dst_page_ids, raw.nbytes, whole_pages=chunk.whole_pages)
         src = inc.senders[chunk.sender_id]
         try:
             with warnings.catch_warnings():  # read-only bytes: the tensor is only ever read from
@@ -110,8 +119,8 @@ class GrpcReceiver(KVReceiver):
                 data = torch.frombuffer(raw, dtype=torch_dtype(src.dtype))
             layer = self.pool.layers[chunk.layer]
             if chunk.whole_pages:
-                pages = torch.tensor(dst_page_ids, dtype=torch.int64)
-                layer.index_copy_(0, pages, data.view(len(dst_page_ids), *layer.shape[1:]))
+                write_pages(layer, np.asarray(dst_page_ids, dtype=np.int64),
+                            data.view(len(dst_page_ids), *layer.shape[1:]))
             else:
                 data = data.view(2, chunk.num_tokens, src.num_heads, src.head_dim)
                 write_token_run(layer, inc.page_ids, self.pool.layout, chunk.token_start, data, src)

@@ -59,16 +59,41 @@ def write_token_run(layer: torch.Tensor, page_ids: np.ndarray, dst: KVLayout, to
     full_heads = lo == dst.head_start and hi == dst.head_end
     if full_heads and token_start % ps == 0 and num_tokens % ps == 0:
         # whole destination pages: one page-granular copy, no per-token indexing
-        pages = torch.from_numpy(np.ascontiguousarray(page_ids[token_start // ps:(token_start + num_tokens) // ps],
-                                                      dtype=np.int64))
         block = piece.reshape(2, -1, ps, dst.num_heads, dst.head_dim).transpose(0, 1)
-        layer.index_copy_(0, pages, block.contiguous())
+        write_pages(layer, page_ids[token_start // ps:(token_start + num_tokens) // ps], block)
         return
     pos = np.arange(token_start, token_start + num_tokens)
     pages = torch.from_numpy(page_ids[pos // ps].astype(np.int64))
     offs = torch.from_numpy((pos % ps).astype(np.int64))
     # advanced indices around a slice put the token dim first: [n, 2, heads, D]
     layer[pages, :, offs, lo - dst.head_start:hi - dst.head_start] = piece.transpose(0, 1)
+
+
+def page_spans(page_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive page ids: (position in page_ids, first page, length)."""
+    pages = np.asarray(page_ids, dtype=np.int64)
+    if len(pages) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pages)]))
+    return [(int(a), int(pages[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+# Above this many spans per write, one index_copy_ beats a Python loop of slice copies.
+_MAX_SPANS = 8
+
+
+def write_pages(layer: torch.Tensor, page_ids: np.ndarray, block: torch.Tensor) -> None:
+    """`layer[page_ids[i]] = block[i]` for every i. Consecutive page ids are written as one
+    slice copy each: on CPU a slice copy runs ~3x faster than `index_copy_` (a plain memcpy
+    against a per-index kernel), and allocators hand out consecutive pages often."""
+    spans = page_spans(page_ids)
+    if len(spans) > _MAX_SPANS:
+        layer.index_copy_(0, torch.from_numpy(np.ascontiguousarray(page_ids, dtype=np.int64)), block)
+        return
+    for pos, first, n in spans:
+        layer[first:first + n].copy_(block[pos:pos + n])
 
 
 def plan_runs(num_tokens: int, src: KVLayout, dst: KVLayout, max_bytes: int) -> list[tuple[int, int]]:

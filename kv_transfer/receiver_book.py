@@ -220,6 +220,12 @@ class ReceiverBook:
             inc.status.first_token, inc.status.prompt_len = first_token, prompt_len
             self._maybe_done(inc)
 
+    def has_final(self, request_id: str, sender_id: str) -> bool:
+        """The sender's final notice arrived (or the request is no longer being received)."""
+        with self._lock:
+            inc = self._active.get(request_id)
+            return inc is None or inc.status.state.terminal or sender_id in inc.finals
+
     def _maybe_done(self, inc: Incoming) -> None:
         # every sender that began must have sent its final notice (TP senders each send one)
         if inc.remaining == 0 and inc.writers == 0 and inc.finals and inc.finals >= inc.senders.keys():

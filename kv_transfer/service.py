@@ -13,6 +13,7 @@ import grpc
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.handshake import HandshakeError
+from kv_transfer.wire import PushFrame, decode_push
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 from proto.pdcluster.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -22,25 +23,28 @@ log = logging.getLogger(__name__)
 class ServedReceiver(Protocol):
     def handle_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
     def handle_begin(self, request: pb.BeginTransfer) -> pb.Ack: ...
-    def handle_push(self, items: Iterator[pb.PushItem], context: grpc.ServicerContext) -> Iterator[pb.Ack]: ...
+    def handle_push(self, items: Iterator[PushFrame], context: grpc.ServicerContext) -> Iterator[pb.Ack]: ...
     def handle_cancel(self, request: pb.Abort) -> pb.Ack: ...
 
 
-class _Servicer(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: ServedReceiver) -> None:
-        self._receiver = receiver
+def _handlers(receiver: ServedReceiver) -> grpc.GenericRpcHandler:
+    """KVTransfer's methods; Push items are decoded by wire.decode_push, which leaves each
+    chunk's payload in the message gRPC delivered instead of copying it through protobuf."""
+    def unary(fn, request_type):
+        return grpc.unary_unary_rpc_method_handler(lambda request, context: fn(request),
+                                                   request_deserializer=request_type.FromString,
+                                                   response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler("pdcluster.v1.KVTransfer", {
+        "Handshake": unary(receiver.handle_handshake, pb.HandshakeRequest),
+        "Begin": unary(receiver.handle_begin, pb.BeginTransfer),
+        "Cancel": unary(receiver.handle_cancel, pb.Abort),
+        "Push": grpc.stream_stream_rpc_method_handler(receiver.handle_push, request_deserializer=decode_push,
+                                                      response_serializer=_serialize),
+    })
 
-    def Handshake(self, request, context):
-        return self._receiver.handle_handshake(request)
 
-    def Begin(self, request, context):
-        return self._receiver.handle_begin(request)
-
-    def Push(self, request_iterator, context):
-        return self._receiver.handle_push(request_iterator, context)
-
-    def Cancel(self, request, context):
-        return self._receiver.handle_cancel(request)
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
 
 
 def _options(config: TransferConfig) -> list[tuple[str, int]]:
@@ -52,7 +56,7 @@ def _options(config: TransferConfig) -> list[tuple[str, int]]:
 def serve(receiver: ServedReceiver, config: TransferConfig) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads,
                                                     thread_name_prefix="kv-recv"), options=_options(config))
-    pb_grpc.add_KVTransferServicer_to_server(_Servicer(receiver), server)
+    server.add_generic_rpc_handlers([_handlers(receiver)])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"could not bind the KV transfer service to {config.host}:{config.port}")
@@ -68,11 +72,23 @@ class PeerChannel:
         self.config = config
         self.channel = grpc.insecure_channel(endpoint, options=_options(config))
         self.stub = pb_grpc.KVTransferStub(self.channel)
-        # Push with items already encoded (grpc_sender.encode_chunk): bytes go out as they are
-        self.push = self.channel.stream_stream("/pdcluster.v1.KVTransfer/Push", request_serializer=None,
-                                               response_deserializer=pb.Ack.FromString)
+        self._data_channels: list[grpc.Channel] = []
+        self._pushes: list = []
         self.reply: pb.HandshakeReply | None = None
         self.lock = threading.Lock()
+
+    def push(self, lane: int):
+        """The Push call of data lane `lane` (items already encoded, wire.encode_chunk).
+        Each lane has its own channel and TCP connection: one gRPC connection serializes its
+        streams' framing and socket writes, so lanes on one connection would not run in parallel."""
+        with self.lock:
+            while len(self._pushes) <= lane:
+                opts = [*_options(self.config), ("grpc.use_local_subchannel_pool", 1)]
+                channel = grpc.insecure_channel(self.endpoint, options=opts)
+                self._data_channels.append(channel)
+                self._pushes.append(channel.stream_stream("/pdcluster.v1.KVTransfer/Push", request_serializer=None,
+                                                          response_deserializer=pb.Ack.FromString))
+            return self._pushes[lane]
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         try:
@@ -100,7 +116,8 @@ class PeerChannel:
             pass  # best effort: the receiver's own deadline frees its pages anyway
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in (self.channel, *self._data_channels):
+            channel.close()
 
 
 def _describe(exc: BaseException) -> str:

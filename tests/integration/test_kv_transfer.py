@@ -95,14 +95,16 @@ CASES = {
     "pages-16-to-64": (lay(16), lay(64)),
     "pages-64-to-16": (lay(64), lay(16)),
     "float32-to-bfloat16": (lay(16), lay(16, dtype="bfloat16")),
+    "three-grpc-lanes": (lay(16), lay(64), {"grpc_streams": 3, "chunk_bytes": 16384}),  # layers striped, small chunks
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pages_arrive_exact(transport, child, case):
-    src_l, dst_l = CASES[case]
+    src_l, dst_l, *cfg = CASES[case]
     name = f"s-{case}"
-    child.call("sender", name=name, transport=transport, spec=SPEC, layout=src_l, num_pages=NUM_PAGES, seed=11)
+    child.call("sender", name=name, transport=transport, spec=SPEC, layout=src_l, num_pages=NUM_PAGES, seed=11,
+               config=cfg[0] if cfg else None)
     recv = Side("receiver", transport, dst_l)
     try:
         rid = f"req-{case}"
@@ -157,7 +159,8 @@ def test_heads_one_sender_to_two_receivers(transport, child):
 
 
 def test_heads_two_senders_to_one_receiver(transport, child):
-    """TP 2 -> 1: senders holding [0, 4) and [4, 8) feed one receiver holding [0, 8)."""
+    """TP 2 -> 1: senders holding [0, 4) and [4, 8) feed one receiver holding [0, 8). (grpc: two
+    lanes each, so the first sender's lanes end while the receiver still waits for the second.)"""
     parts = {"sa": (lay(16, 0, 4), 21), "sb": (lay(64, 4, 4), 22)}
     dst_l = lay(16)
     recv = Side("receiver", transport, dst_l)
@@ -167,7 +170,7 @@ def test_heads_two_senders_to_one_receiver(transport, child):
         src_pages = {}
         for name, (layout, seed) in parts.items():
             child.call("sender", name=name, transport=transport, spec=SPEC, layout=layout, num_pages=NUM_PAGES,
-                       seed=seed)
+                       seed=seed, config={"grpc_streams": 2})
             src_pages[name] = pages(need(layout), seed)
             assert child.call("start", name=name, request_id=rid, descriptors=[desc], src_pages=src_pages[name],
                               num_tokens=TOKENS)["state"] == "WAITING"

@@ -1,5 +1,6 @@
 """kv_transfer in one process: the local transport end to end, the layout mapping against
-a token-by-token reference, the receiver's validation, states, handshake and descriptors."""
+a token-by-token reference, the receiver's validation, states, handshake and descriptors,
+the gRPC transport's Push codec."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,9 @@ from kv_transfer import (CompatInfo, DestinationDescriptor, KVLayout, KVPool, Mo
                          TransferRejected, TransferState, TransferStatus)
 from kv_transfer.handshake import answer, make_request
 from kv_transfer.local import LocalHub, LocalReceiver, LocalSender
-from kv_transfer.mapping import read_token_run, write_token_run
+from kv_transfer.mapping import read_token_run, write_pages, write_token_run
+from kv_transfer.wire import WireError, decode_push, encode_chunk, encode_final
+from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 SPEC = ModelSpec("tiny-kv", num_layers=3, num_kv_heads=4, head_dim=8)
 T = 70
@@ -120,6 +123,10 @@ def test_deadline_fails_and_releases():
     recv.expect("slow", [0, 1, 2, 3, 4], T, deadline_s=0.1)
     status = recv.wait("slow", 2)
     assert status.state == TransferState.FAILED and "deadline" in status.error
+    # FAILED is visible a moment before the reaper thread hands the pages back
+    until = time.monotonic() + 1.0
+    while not released and time.monotonic() < until:
+        time.sleep(0.005)
     assert released == [("slow", [0, 1, 2, 3, 4])]
     recv.close()
 
@@ -181,3 +188,40 @@ def test_local_sender_refused_by_incompatible_receiver_moves_nothing():
     assert recv.status("r1").state == TransferState.BOOTSTRAPPING
     recv.cancel("r1")
     assert recv.tracked_pages() == []
+
+
+@pytest.mark.parametrize("pages", [[0, 1, 2, 3], [7, 2, 3, 4, 11], list(range(20, 0, -2))])
+def test_write_pages_puts_each_block_in_its_page(pages):
+    """Consecutive pages go by slice copies, scattered ones by index_copy_: same result."""
+    layer = torch.zeros(24, 2, 4, 2, 8)
+    block = torch.randn(len(pages), 2, 4, 2, 8)
+    write_pages(layer, np.array(pages), block)
+    for i, p in enumerate(pages):
+        assert torch.equal(layer[p], block[i])
+    untouched = sorted(set(range(24)) - set(pages))
+    assert int(layer[untouched].count_nonzero()) == 0
+
+
+def test_push_chunk_round_trips_and_reads_like_protobuf():
+    header = pb.PageChunk(request_id="r1", sender_id="s", layer=2, token_start=32, num_tokens=16,
+                          dst_page_ids=[4, 5, 300], whole_pages=True, defer_ack=True)
+    payload = np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8)
+    raw = encode_chunk(header, memoryview(payload))
+    parsed = pb.PushItem.FromString(raw)  # any protobuf reader reads it
+    assert parsed.chunk.data == payload.tobytes() and parsed.chunk.dst_page_ids == [4, 5, 300]
+    frame = decode_push(raw)
+    assert frame.final is None and bytes(frame.payload) == payload.tobytes()
+    assert frame.chunk == header  # every header field, and no data copied into it
+    # field order is free in protobuf: data first, as another encoder may write it
+    reordered = pb.PushItem(chunk=pb.PageChunk(data=b"xyz")).SerializeToString()[2:]
+    body = reordered + header.SerializeToString()
+    frame = decode_push(b"\x0a" + bytes([len(body)]) + body)
+    assert bytes(frame.payload) == b"xyz" and frame.chunk.layer == 2 and frame.chunk.request_id == "r1"
+    final = decode_push(encode_final(pb.FinalNotice(request_id="r1", sender_id="s", first_token=7, prompt_len=9)))
+    assert final.chunk is None and final.final.first_token == 7
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x0a\x05ab", b"\x0a\xff", b"\x0b\x00", b"\x08\x01"])
+def test_push_decoder_rejects_malformed_items(raw):
+    with pytest.raises(WireError):
+        decode_push(raw)
