@@ -15,6 +15,7 @@ back through `on_release`, within the configured deadline at the latest.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -28,6 +29,8 @@ from kv_transfer.receiver_book import ReceiverBook, ReleaseFn
 from kv_transfer.sender_book import SenderBook, SenderReleaseFn
 from kv_transfer.states import TransferStatus
 
+log = logging.getLogger(__name__)
+
 
 class Ticker:
     """A daemon thread calling `fn` until stopped; `fn` returns True when it did work."""
@@ -40,7 +43,12 @@ class Ticker:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self._fn():
+            try:
+                busy = self._fn()
+            except Exception:  # a bug in one tick must not stop progress (and the deadline reaper) for good
+                log.exception("%s: tick failed", self._thread.name)
+                busy = False
+            if not busy:
                 self._stop.wait(self._idle_s)
 
     def stop(self) -> None:

@@ -3,7 +3,8 @@
 The pool's layer tensors (and, on receivers, one staging buffer) are registered once.
 Descriptor lists are built once with numpy, one descriptor per (layer, page), and
 prepared once per peer; a request then transfers with index arrays into those prepared
-lists (`layer * num_pages + page`), so per-request set-up is a few vectorized ops.
+lists (`layer * num_pages + page`), so per-request set-up is two vectorized ops and one
+prepared transfer per layer (nixl_receiver.py makes them in one pass).
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ class NixlPoolAgent:
         if self.staging is not None:
             self._regs.append(self.agent.register_memory(self.staging))
         self._staging_lists: dict[int, object] = {}
+        self._scratch: dict[int, np.ndarray] = {}
+        self._offsets: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -88,8 +91,21 @@ class NixlPoolAgent:
         self._regs.clear()
         self.agent = None
 
-    def local_indices(self, layer: int, pages: np.ndarray) -> np.ndarray:
-        return (layer * self.pool.num_pages + pages).astype(np.int32)
+    def index_rows(self, num_pages: int, pages: np.ndarray, slot: int = 0) -> np.ndarray:
+        """int32 [layers, len(pages)]: row l indexes `pages` of layer l in a list built by
+        page_descs (local or a peer's, whose pool has `num_pages` pages). The result lives in
+        scratch buffer `slot`, valid until the next call with that slot: NIXL copies indices
+        when it makes a transfer, and fresh arrays cost page faults on every request."""
+        layers, n = self.pool.layout.num_layers, len(pages)
+        scratch = self._scratch.get(slot)
+        if scratch is None or scratch.shape[1] < n:
+            scratch = self._scratch[slot] = np.empty((layers, max(n, 64)), dtype=np.int32)
+        key = (slot, num_pages)
+        if key not in self._offsets:
+            self._offsets[key] = np.arange(0, layers * num_pages, num_pages, dtype=np.int32)[:, None]
+        out = scratch[:, :n]
+        np.add(self._offsets[key], np.asarray(pages, dtype=np.int32)[None, :], out=out)
+        return out
 
     def pool_info(self) -> pb.NixlPoolInfo:
         return pb.NixlPoolInfo(agent_name=self.name, agent_metadata=self.agent.get_agent_metadata(),
