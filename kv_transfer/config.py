@@ -19,6 +19,7 @@ class TransferConfig:
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
+    liveness_interval_s: float = 0.25       # nixl: probe peers of requests in flight this often (0 = off)
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
         default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
     server_threads: int = 8
@@ -34,5 +35,7 @@ class TransferConfig:
                              "under grpc_max_message_bytes")
         if self.max_inflight_chunks < 1:
             raise ValueError("TransferConfig.max_inflight_chunks must be >= 1")
+        if self.liveness_interval_s < 0:
+            raise ValueError(f"TransferConfig.liveness_interval_s must be >= 0, got {self.liveness_interval_s}")
         if not 1 <= self.grpc_streams <= 16:
             raise ValueError(f"TransferConfig.grpc_streams must be in [1, 16], got {self.grpc_streams}")

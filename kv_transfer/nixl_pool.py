@@ -20,6 +20,8 @@ from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+_PROBE = pb.NixlNotice()  # no kind set: a liveness probe, dropped by notifications()
+
 
 def nixl_api():
     """Import NIXL lazily so the package imports without it."""
@@ -150,6 +152,12 @@ class NixlPoolAgent:
             log.warning("nixl notification to %s failed: %s", agent_name, exc)
             return False
 
+    def probe(self, agent_name: str) -> bool:
+        """Whether the peer's agent still answers: an empty notice (peers ignore it) fails at
+        once with NIXL_ERR_REMOTE_DISCONNECT once the peer process is gone (~30 ms after a
+        SIGKILL here), which a transfer deadline would take seconds to notice."""
+        return self.notify(agent_name, _PROBE)
+
     def notifications(self) -> list[tuple[str, pb.NixlNotice]]:
         out = []
         for peer, messages in self.agent.get_new_notifs().items():
@@ -161,5 +169,6 @@ class NixlPoolAgent:
                 except Exception:
                     log.warning("nixl: undecodable notification from %s dropped", peer)
                     continue
-                out.append((peer, msg))
+                if msg.WhichOneof("kind") is not None:  # empty: a peer's liveness probe
+                    out.append((peer, msg))
         return out

@@ -7,8 +7,9 @@ its NIXL metadata and pool addresses (compat checked first; the sender's page li
 prepared once per sender) -> Begin (dst page ids checked against the allocation, source
 pages recorded; WAITING) -> per layer a LayerReady notification -> one prepared READ
 for the layer (TRANSFERRING), whose completion notifies the sender (LayerRead) -> all
-layers read and the final notice in -> DONE. A failed read, an abort notice, a cancel or
-the deadline -> FAILED: in-flight reads are cancelled (or waited out, up to a grace
+layers read and the final notice in -> DONE. A failed read, an abort notice, a cancel, a
+sender found gone by the liveness probe (an empty notice every `liveness_interval_s`, which
+fails at once when the peer process has died) or the deadline -> FAILED: in-flight reads are cancelled (or waited out, up to a grace
 period), the sender is told, and the pages are released.
 
 Descriptor set-up: identical layouts read page-to-page (one descriptor per (layer, page)),
@@ -93,6 +94,7 @@ class NixlReceiver(KVReceiver):
         # waiting for the GIL behind the service threads; setup_wall_s is the wall clock.
         self.setup_s: dict[str, float] = {}
         self.setup_wall_s: dict[str, float] = {}
+        self._next_probe = 0.0
         self.book.before_release = self._cancelled.append
         self._server, self._port = serve(self, self.config)
         self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s)
@@ -161,10 +163,26 @@ class NixlReceiver(KVReceiver):
         busy |= self._poll_reads()
         while self._cancelled:
             self._cancel(self._cancelled.popleft())
+        self._probe_senders()
         self.book.reap()
         # with no NIXL progress thread, UCX moves bytes inside check_xfer_state: keep polling
         # while reads are in flight instead of sleeping
         return busy or bool(self._inflight)
+
+    def _probe_senders(self) -> None:
+        """Fail the requests of a sender whose process is gone, without waiting for the deadline."""
+        interval = self.config.liveness_interval_s
+        now = time.monotonic()
+        if not interval or now < self._next_probe:
+            return
+        self._next_probe = now + interval
+        keys = list(self._sources)
+        for sender_id in {sid for _, sid in keys}:
+            peer = self._peers.get(sender_id)
+            if peer is not None and not self.nixl.probe(peer.agent_name):
+                for rid, sid in keys:
+                    if sid == sender_id:
+                        self.book.fail(rid, f"sender {sender_id} unreachable: its NIXL agent disconnected")
 
     def _on_notice(self, peer_name: str, msg: pb.NixlNotice) -> None:
         kind = msg.WhichOneof("kind")

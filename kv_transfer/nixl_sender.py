@@ -7,12 +7,14 @@ Lifecycle per request: start() pins the source pages and, per destination, hands
 receiver answers with its connection info) and sends Begin (WAITING) -> send_layer()
 notifies LayerReady (TRANSFERRING) -> each receiver's READ completion arrives as a
 LayerRead notification -> finish() sends the final notice -> every layer read by every
-destination: DONE, pages unpinned. An Abort from a receiver, a failed notification or
-the deadline -> FAILED (receivers are told), pages unpinned.
+destination: DONE, pages unpinned. An Abort from a receiver, a failed notification (a
+liveness probe every `liveness_interval_s` while requests are in flight) or the deadline ->
+FAILED (receivers are told), pages unpinned.
 """
 from __future__ import annotations
 
 import logging
+import time
 
 from kv_transfer.base import KVSender, Ticker
 from kv_transfer.config import TransferConfig
@@ -38,6 +40,7 @@ class NixlSender(KVSender):
         self._peers = PeerSet(self.config)
         self._agents: dict[str, str] = {}             # endpoint -> receiver agent name
         self._dest_agents: dict[str, list[str]] = {}  # request -> receiver agent per destination
+        self._next_probe = 0.0
         self.book.on_end = self._on_end
         self._progress = Ticker("kv-nixl-send", self._tick, self.config.poll_interval_s)
 
@@ -111,8 +114,24 @@ class NixlSender(KVSender):
                 self.book.fail(msg.abort.request_id, f"receiver {agent} aborted: {msg.abort.reason}")
             else:
                 log.warning("nixl: unexpected %s notification from %s dropped", kind, agent)
+        self._probe_receivers()
         self.book.reap()
         return busy
+
+    def _probe_receivers(self) -> None:
+        """Fail the requests bound for a receiver whose process is gone (it would never read
+        them), without waiting for the deadline."""
+        interval = self.config.liveness_interval_s
+        now = time.monotonic()
+        if not interval or now < self._next_probe:
+            return
+        self._next_probe = now + interval
+        requests = list(self._dest_agents.items())
+        for agent in {a for _, agents in requests for a in agents}:
+            if not self.nixl.probe(agent):
+                for rid, agents in requests:
+                    if agent in agents:
+                        self.book.fail(rid, f"receiver {agent} unreachable: its NIXL agent disconnected")
 
     def _on_end(self, request_id: str) -> None:
         status = self.book.status(request_id)

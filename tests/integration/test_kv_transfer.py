@@ -218,8 +218,10 @@ def test_incompatible_sender_refused_before_any_byte(transport, child, field, se
 
 
 def test_sender_killed_mid_transfer(transport):
+    """Found dead well before the 30 s deadline: grpc by its broken stream, nixl by its
+    liveness probe (the sender is idle between layers, so nothing else would notice)."""
     peer = Child()
-    recv = Side("receiver", transport, lay(16), deadline_s=2.0)
+    recv = Side("receiver", transport, lay(16), deadline_s=30.0)
     rid = "req-kill-sender"
     try:
         peer.call("sender", name="s", transport=transport, spec=SPEC, layout=lay(16), num_pages=NUM_PAGES, seed=3)
@@ -235,7 +237,10 @@ def test_sender_killed_mid_transfer(transport):
         peer.kill()
         status = recv.obj.wait(rid, 5)
         assert status.state.name == "FAILED", status
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 1.5 and "deadline" not in status.error, status.error
+        until = time.monotonic() + 2.0  # pages come back once no read into them is in flight
+        while recv.released != [rid] and time.monotonic() < until:
+            time.sleep(0.01)
         assert recv.released == [rid]
         assert_no_leaks(recv)
     finally:
@@ -245,8 +250,9 @@ def test_sender_killed_mid_transfer(transport):
 
 
 def test_receiver_killed_mid_transfer(transport):
+    """The sender learns of it well before the 30 s deadline while it computes the next layer."""
     peer = Child()
-    sender = Side("sender", transport, lay(16), seed=4, deadline_s=2.0)
+    sender = Side("sender", transport, lay(16), seed=4, deadline_s=30.0)
     rid = "req-kill-receiver"
     try:
         peer.call("receiver", name="r", transport=transport, spec=SPEC, layout=lay(16), num_pages=NUM_PAGES)
@@ -257,14 +263,9 @@ def test_receiver_killed_mid_transfer(transport):
         sender.obj.send_layer(rid, 1)
         t0 = time.monotonic()
         peer.kill()
-        for layer in range(2, 6):
-            try:
-                sender.obj.send_layer(rid, layer)
-            except ValueError:
-                break  # already failed: the ledger refuses further layers
-        status = sender.obj.wait(rid, 5)
+        status = sender.obj.wait(rid, 5)  # no further layer: nothing is sent that could fail
         assert status.state.name == "FAILED", status
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 1.5 and "deadline" not in status.error, status.error
         assert sender.released == [rid]
         assert_no_leaks(sender)
     finally:

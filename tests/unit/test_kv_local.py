@@ -166,6 +166,10 @@ def test_descriptor_round_trips_as_protobuf():
 def test_config_and_layout_validation_name_the_field():
     with pytest.raises(ValueError, match="chunk_bytes"):
         TransferConfig(chunk_bytes=10)
+    with pytest.raises(ValueError, match=r"grpc_streams must be in \[1, 16\], got 0"):
+        TransferConfig(grpc_streams=0)
+    with pytest.raises(ValueError, match="liveness_interval_s must be >= 0"):
+        TransferConfig(liveness_interval_s=-1)
     with pytest.raises(ValueError, match="page_size"):
         KVLayout(3, 0, 0, 4, 8, "float32")
     with pytest.raises(ValueError, match="dtype"):
