@@ -1,10 +1,16 @@
 """`pdcluster bench kv`: KV transfer bandwidth between two processes, against baselines
-measured in the same run (single-thread memcpy, one raw NIXL READ of one contiguous
-buffer, a raw loopback TCP socket, a bare gRPC stream of 1 MiB bytes messages with no page
-handling). Payload: Llama-3-8B-shaped KV (32 layers, 8 kv heads, head dim 128, bf16, page
-16) for a 4,096-token prompt (~512 MiB). The receiver lives in this process, the sender in
-a spawned child; figures are medians of `--repeats` after one untimed warm-up (each sample
-is in `samples`); raw NIXL and paged nixl alternate sample for sample."""
+measured in the same run (bench/kv_baselines.py: single-thread memcpy, one raw NIXL READ of
+one contiguous buffer, a raw loopback TCP socket, bare gRPC streams of `chunk_bytes` bytes
+messages with no page handling, one per data lane). Payload: Llama-3-8B-shaped KV (32
+layers, 8 kv heads, head dim 128, bf16, page 16) for a 4,096-token prompt (~512 MiB). The
+receiver lives in this process, the sender in a spawned child (bench/kv_child.py).
+
+Every figure is sampled once per round, all figures in turns, after one untimed warm-up
+round; GB/s figures are medians over rounds, ratios are medians of each round's pair (a
+figure and its baseline measured seconds apart, so a burst of background load on this
+shared machine hits both), every sample is in `samples`. Layer-wise overlap runs right after
+each round's plain nixl transfer, with one layer's simulated compute = that transfer / layers.
+"""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds (one sample of every figure each); medians reported")
     parser.add_argument("--only", default="", help="comma-separated subset of memcpy,raw_nixl,raw_tcp,raw_grpc,"
                                                    "nixl,grpc,layerwise (default: all)")
     parser.add_argument("--grpc-chunk-bytes", type=int, default=None, help="TransferConfig.chunk_bytes (grpc)")

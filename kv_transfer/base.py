@@ -33,11 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class Ticker:
-    """A daemon thread calling `fn` until stopped; `fn` returns True when it did work."""
+    """A daemon thread calling `fn` until stopped; `fn` returns True when it did work. Idle,
+    it sleeps `idle_s`, or `parked_s` while `active()` says nothing is in flight: a parked
+    poller leaves the CPU (and the GIL) to the rest of the process, and `wake()` ends the
+    sleep when work arrives."""
 
-    def __init__(self, name: str, fn: Callable[[], bool], idle_s: float) -> None:
-        self._fn, self._idle_s = fn, idle_s
+    def __init__(self, name: str, fn: Callable[[], bool], idle_s: float, parked_s: float | None = None,
+                 active: Callable[[], bool] | None = None) -> None:
+        self._fn, self._idle_s, self._active = fn, idle_s, active
+        self._parked_s = idle_s if parked_s is None else parked_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -49,10 +55,16 @@ class Ticker:
                 log.exception("%s: tick failed", self._thread.name)
                 busy = False
             if not busy:
-                self._stop.wait(self._idle_s)
+                parked = self._active is not None and not self._active()
+                self._wake.wait(self._parked_s if parked else self._idle_s)
+                self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 

@@ -47,6 +47,7 @@ from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 CANCEL_GRACE_S = 2.0
+PARKED_POLL_S = 0.02  # poll period with no request begun (deadlines are still reaped this often)
 
 
 @dataclass(slots=True)
@@ -95,9 +96,14 @@ class NixlReceiver(KVReceiver):
         self.setup_s: dict[str, float] = {}
         self.setup_wall_s: dict[str, float] = {}
         self._next_probe = 0.0
-        self.book.before_release = self._cancelled.append
+        self.book.before_release = self._on_failed
         self._server, self._port = serve(self, self.config)
-        self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s)
+        self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s, PARKED_POLL_S,
+                                active=lambda: bool(self._sources or self._inflight or self._cancelled))
+
+    def _on_failed(self, request_id: str) -> None:
+        self._cancelled.append(request_id)
+        self._progress.wake()
 
     @property
     def endpoint(self) -> str:
@@ -141,6 +147,7 @@ class NixlReceiver(KVReceiver):
         key = (request.request_id, request.sender_id)
         self._sources[key] = _Source(src[:n], inc.page_ids[:n], is_homogeneous(peer.layout, self.pool.layout))
         self._to_prepare.append(key)
+        self._progress.wake()
         return pb.Ack(ok=True)
 
     def handle_cancel(self, request: pb.Abort) -> pb.Ack:

@@ -29,6 +29,8 @@ from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+PARKED_POLL_S = 0.02  # poll period with no request in flight (deadlines are still reaped this often)
+
 
 class NixlSender(KVSender):
     transport = "nixl"
@@ -42,7 +44,8 @@ class NixlSender(KVSender):
         self._dest_agents: dict[str, list[str]] = {}  # request -> receiver agent per destination
         self._next_probe = 0.0
         self.book.on_end = self._on_end
-        self._progress = Ticker("kv-nixl-send", self._tick, self.config.poll_interval_s)
+        self._progress = Ticker("kv-nixl-send", self._tick, self.config.poll_interval_s, PARKED_POLL_S,
+                                active=lambda: bool(self._dest_agents))
 
     def _handshake(self, endpoint: str) -> str:
         peer = self._peers.get(endpoint, lambda: make_request(self.pool.spec, self.pool.layout, self.transport,
@@ -70,6 +73,7 @@ class NixlSender(KVSender):
             self.book.fail(request_id, str(exc))
             return out.status
         self.book.advance(request_id, TransferState.WAITING)
+        self._progress.wake()
         return out.status
 
     def _notify_all(self, request_id: str, message: pb.NixlNotice) -> bool:
