@@ -47,6 +47,10 @@ def child_main(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
         t.view(torch.int16).random_(-16000, 16000)
     senders, keep = {}, {}
     while True:
+        while "nixl" in keep and not conn.poll(0.005):
+            # the raw NIXL source has no progress thread (NIXL's spins a core at full speed, which
+            # starved every other figure on a 2-core machine); UCX wire-up progresses here instead
+            keep["nixl"][0].get_new_notifs()
         cmd, *a = conn.recv()
         if cmd == "exit":
             break
@@ -74,8 +78,7 @@ def child_main(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
             api = nixl_api()
             buf = torch.empty(a[0], dtype=torch.uint8)
             buf.random_()
-            # the source needs progress for UCX wire-up while this loop waits on the pipe
-            agent = api.nixl_agent("bench-raw-src", api.nixl_agent_config(enable_prog_thread=True))
+            agent = api.nixl_agent("bench-raw-src", api.nixl_agent_config(enable_prog_thread=False))
             agent.register_memory(buf)
             keep["nixl"] = (agent, buf)
             conn.send((agent.get_agent_metadata(), buf.data_ptr(), a[0]))
