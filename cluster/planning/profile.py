@@ -47,7 +47,9 @@ def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, qui
 
 
 def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0,
-                   transports=TRANSPORTS, page_size: int = 16) -> dict:
+                   transports=TRANSPORTS, page_size: int = 16, serving: bool = False) -> dict:
+    """With `serving`, decode steps and the first token's delay are then measured through a
+    real local cluster as well (serving_profile.py), and those go into the latency model."""
     from engine import SamplingParams
     from engine.core import EngineCore
 
@@ -58,7 +60,8 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     model_dir = ensure_builtin(preset=model) if model in PRESETS else model
     grid = QUICK if quick else FULL
     budget = max(grid["prefill_tokens"]) + max(grid["cached"]) + 16
-    eng = EngineCore(model_dir, dtype=dtype, detokenize=False, max_num_batched_tokens=budget,
+    # detokenize as the decode worker does (it streams text): part of every decode step
+    eng = EngineCore(model_dir, dtype=dtype, detokenize=True, max_num_batched_tokens=budget,
                      max_model_len=budget + 64, max_num_seqs=max(grid["batch"]), page_size=page_size)
     vocab = eng.config.vocab_size
     rng = random.Random(seed)
@@ -111,7 +114,16 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
                       transfers=transfers, source=f"profile:{model}:{dtype}",
                       meta={"threads": 1, "quick": quick, "max_model_len": eng.config.max_position_embeddings,
                             "page_size": page_size})
-    return {"latency_model": lm.to_json(),
-            "fit": {"prefill": fp.as_dict(), "decode": fd.as_dict(), **{f"transfer_{k}": v["fit"] for k, v in transfer.items()}},
-            "points": {"prefill": prefill, "decode": decode, **{f"transfer_{k}": v["points"] for k, v in transfer.items()}},
-            "model": model, "dtype": dtype}
+    fits = {"prefill": fp.as_dict(), "decode": fd.as_dict(), **{f"transfer_{k}": v["fit"] for k, v in transfer.items()}}
+    points = {"prefill": prefill, "decode": decode, **{f"transfer_{k}": v["points"] for k, v in transfer.items()}}
+    if serving:
+        from cluster.planning.serving_profile import profile_serving
+
+        del eng  # its KV memory, before the cluster's workers take theirs
+        served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"))
+        lm.decode = tuple(served["decode_fit"]["coef"])
+        lm.meta.update(first_token_delay_s=served["first_token_delay_s"], served=True, engine_decode=list(fd.coef))
+        lm.source = f"served:{model}:{dtype}"
+        fits["served_decode"] = served["decode_fit"]
+        points.update(served_prefill=served["points"]["prefill"], served_decode=served["points"]["decode"])
+    return {"latency_model": lm.to_json(), "fit": fits, "points": points, "model": model, "dtype": dtype}

@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", default="nixl,grpc",
                         help="KV transports to time between two processes, comma list of nixl, grpc ('' = none)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (>= 1), as the pools run")
+    parser.add_argument("--serving", action="store_true",
+                        help="also time decode steps and the first token's delay through a real local cluster "
+                             "(router, Ray, gRPC): what the simulator should predict for a served endpoint")
     parser.add_argument("--crosscheck-h100", action="store_true",
                         help="instead: roofline vs Vidur H100 Llama-2 7B/70B MLP profiles, print the errors")
 
@@ -38,9 +41,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdcluster plan profile: --transports must be a comma list of {', '.join(TRANSPORTS)} (got {bad}) "
               f"and --page-size >= 1 (got {args.page_size})", file=sys.stderr)
         return 2
-    res = profile_engine(args.model, args.dtype, args.quick, transports=transports, page_size=args.page_size)
+    res = profile_engine(args.model, args.dtype, args.quick, transports=transports, page_size=args.page_size,
+                         serving=args.serving)
     Path(args.out).write_text(json.dumps(res, indent=2))
     for k, f in res["fit"].items():
         print(f"{k}: coef={f['coef']} r2={f['r2']:.3f} max_rel_err={f['max_rel_err']:.2f} n={f['n']}")
+    delay = res["latency_model"]["meta"].get("first_token_delay_s")
+    if delay is not None:
+        print(f"served first-token delay over the engine's prefill: {delay * 1e3:.1f} ms")
     print(f"wrote {args.out}")
     return 0

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from cluster.planning.profile import profile_engine
 
-        res = profile_engine(args.model, args.dtype, transports=(args.transport,))
+        res = profile_engine(args.model, args.dtype, transports=(args.transport,), serving=True)
         Path(args.profile_out).write_text(json.dumps(res, indent=2))
         print(f"profiled {args.model} ({args.dtype}) -> {args.profile_out}")
         lm = LatencyModel.from_json(res["latency_model"])
