@@ -6,10 +6,11 @@ page sizes, and yields one chunk per free permit; acknowledgements return permit
 memory is therefore bounded by `max_inflight_chunks x chunk_bytes` per stream plus gRPC's
 flow-control window.
 
-Hot path, per chunk: one gather of the run's pages into a reusable buffer (identical layouts
-send whole pages, no token re-layout), then one copy into the encoded PushItem (header
-encoded by protobuf, the payload field appended to it, so the payload is not copied through
-a message object). Python gRPC waits for each message's send and each ack's send to finish,
+Hot path, per chunk: one gather of the run's pages straight into the encoded PushItem
+(identical layouts send whole pages, no token re-layout; wire.encode_chunk_into: the header
+encoded by protobuf, the payload field written after it, no copy through a message object
+or a staging buffer). Data lanes (`grpc_streams` > 1) stripe layers over streams of their
+own connections; on a 2-core machine they did not help (docs/benchmarks.md). Python gRPC waits for each message's send and each ack's send to finish,
 so acking every chunk serializes the two sides: chunks go out with `defer_ack` and only
 every `max_inflight_chunks // 2`-th chunk, and each layer's last, asks for an ack, whose
 `items` count returns the permits of all chunks it covers.
@@ -40,7 +41,7 @@ from kv_transfer.mapping import is_homogeneous, pages_of_run, plan_runs, read_to
 from kv_transfer.sender_book import SenderReleaseFn
 from kv_transfer.service import PeerSet, _describe
 from kv_transfer.states import TransferState, TransferStatus
-from kv_transfer.wire import encode_chunk, encode_final
+from kv_transfer.wire import encode_chunk, encode_chunk_into, encode_final
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ class _Lane:
         self.work: queue.Queue[int | _Final | None] = queue.Queue()
         self.permits = threading.Semaphore(route.sender.config.max_inflight_chunks)
         self.inflight: deque[tuple[int, bool] | None] = deque()  # (layer, last chunk?) or None for final
-        self._buffer: torch.Tensor | None = None  # whole-page gathers land here, reused chunk after chunk
         self.call = route.peer.push(index)(self._items(), timeout=max(0.01, route.deadline - time.monotonic()))
         self.thread = threading.Thread(target=self._acks, name=f"kv-grpc-acks-{route.request_id}-{index}",
                                        daemon=True)
@@ -81,18 +81,16 @@ class _Lane:
                 return True
         return False
 
-    def _payload(self, layer: torch.Tensor, run: _Run) -> memoryview:
+    def _encode(self, header: pb.PageChunk, layer: torch.Tensor, run: _Run) -> bytes:
         route = self.route
         if not route.whole_pages:
             data = read_token_run(layer, route.src_pages, route.sender.pool.layout, run.token_start, run.num_tokens)
-            return memoryview(data.view(torch.uint8).numpy()).cast("B")
-        k = len(run.src_pages)
-        if self._buffer is None:
-            self._buffer = torch.empty((max(len(r.src_pages) for r in route.runs), *layer.shape[1:]),
-                                       dtype=layer.dtype)
-        out = self._buffer[:k]
-        torch.index_select(layer, 0, run.src_pages, out=out)
-        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+            return encode_chunk(header, memoryview(data.view(torch.uint8).numpy()).cast("B"))
+        shape = (len(run.src_pages), *layer.shape[1:])
+
+        def gather(out: memoryview) -> None:  # the run's pages, gathered straight into the message
+            torch.index_select(layer, 0, run.src_pages, out=torch.frombuffer(out, dtype=layer.dtype).view(shape))
+        return encode_chunk_into(header, len(run.src_pages) * route.sender.pool.layout.page_bytes, gather)
 
     def _items(self):
         route = self.route
@@ -124,7 +122,7 @@ class _Lane:
                 header = pb.PageChunk(request_id=route.request_id, sender_id=sender_id, layer=item,
                                       token_start=run.token_start, num_tokens=run.num_tokens,
                                       dst_page_ids=run.dst_page_ids, whole_pages=route.whole_pages, defer_ack=defer)
-                wire = encode_chunk(header, self._payload(layer, run))
+                wire = self._encode(header, layer, run)
                 self.inflight.append((item, last))
                 yield wire
 

@@ -11,6 +11,8 @@ buffer costs its page faults: the receiver spent more time there than on the cop
 """
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
@@ -44,6 +46,24 @@ def encode_chunk(header: pb.PageChunk, payload: memoryview) -> bytes:
     """The wire bytes of `PushItem(chunk=header with data=payload)`; `header.data` must be empty."""
     body = header.SerializeToString() + _DATA_TAG + varint(payload.nbytes)
     return b"".join((_CHUNK_TAG, varint(len(body) + payload.nbytes), body, payload))
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def encode_chunk_into(header: pb.PageChunk, nbytes: int, fill: Callable[[memoryview], None]) -> bytes:
+    """`encode_chunk`, with the payload written by `fill` straight into the new message (a
+    gather of pages, say) instead of copied in: gRPC Python sends only `bytes`, so this makes
+    an uninitialized bytes object, as C code does, and fills it before anyone else sees it."""
+    body = header.SerializeToString() + _DATA_TAG + varint(nbytes)
+    prefix = _CHUNK_TAG + varint(len(body) + nbytes) + body
+    size = len(prefix) + nbytes
+    message = _new_bytes(None, size)
+    view = memoryview((ctypes.c_char * size).from_address(ctypes.cast(message, ctypes.c_void_p).value)).cast("B")
+    view[:len(prefix)] = prefix
+    fill(view[len(prefix):])
+    return message
 
 
 def encode_final(final: pb.FinalNotice) -> bytes:

@@ -14,7 +14,7 @@ from kv_transfer import (CompatInfo, DestinationDescriptor, KVLayout, KVPool, Mo
 from kv_transfer.handshake import answer, make_request
 from kv_transfer.local import LocalHub, LocalReceiver, LocalSender
 from kv_transfer.mapping import read_token_run, write_pages, write_token_run
-from kv_transfer.wire import WireError, decode_push, encode_chunk, encode_final
+from kv_transfer.wire import WireError, decode_push, encode_chunk, encode_chunk_into, encode_final
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
 SPEC = ModelSpec("tiny-kv", num_layers=3, num_kv_heads=4, head_dim=8)
@@ -215,6 +215,8 @@ def test_push_chunk_round_trips_and_reads_like_protobuf():
     assert parsed.chunk.data == payload.tobytes() and parsed.chunk.dst_page_ids == [4, 5, 300]
     frame = decode_push(raw)
     assert frame.final is None and bytes(frame.payload) == payload.tobytes()
+    # the gather-in-place encoder writes the very same bytes
+    assert encode_chunk_into(header, payload.nbytes, lambda out: out.__setitem__(slice(None), payload.data)) == raw
     assert frame.chunk == header  # every header field, and no data copied into it
     # field order is free in protobuf: data first, as another encoder may write it
     reordered = pb.PushItem(chunk=pb.PageChunk(data=b"xyz")).SerializeToString()[2:]
