@@ -4,8 +4,9 @@ page-size/head-range/dtype layout conversion. Must not import Ray, router, or th
 Roles: layout.py (pool shapes), mapping.py (token-run conversion), descriptor.py (what a
 receiver publishes), handshake.py (compatibility), states.py (ordered states),
 receiver_book.py / sender_book.py (page ledgers and validation), service.py (the
-receiver's gRPC control service), local.py, grpc_*.py, nixl_*.py (transports),
-registry.py (create a transport by name; nixl is imported only when asked for).
+receiver's gRPC control service), local.py, grpc_*.py, nixl_*.py (transports), wire.py
+(gRPC Push items without payload copies), heap.py (glibc heap settings for megabyte
+messages), registry.py (create a transport by name; nixl is imported only when asked for).
 """
 from kv_transfer.base import KVReceiver, KVSender
 from kv_transfer.config import TransferConfig
