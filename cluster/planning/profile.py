@@ -17,7 +17,7 @@ from tqdm import tqdm
 from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
 from cluster.planning.latency import LatencyModel
 
-FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024), "cached": (0, 256, 512),
+FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024, 2048), "cached": (0, 256, 512),
         "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256, 1024), "decode_steps": 4,
         "transfer_tokens": (64, 256, 1024, 2048), "transfer_repeats": 3}
 QUICK = {"prefill_tokens": (16, 64, 256, 512), "cached": (0, 64), "batch": (1, 2, 4, 8),
@@ -120,10 +120,7 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
         from cluster.planning.serving_profile import profile_serving
 
         del eng  # its KV memory, before the cluster's workers take theirs
-        served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"))
-        lm.decode = tuple(served["decode_fit"]["coef"])
-        lm.meta.update(first_token_delay_s=served["first_token_delay_s"], served=True, engine_decode=list(fd.coef))
-        lm.source = f"served:{model}:{dtype}"
+        lm, served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"))
         fits["served_decode"] = served["decode_fit"]
         points.update(served_prefill=served["points"]["prefill"], served_decode=served["points"]["decode"])
     return {"latency_model": lm.to_json(), "fit": fits, "points": points, "model": model, "dtype": dtype}

@@ -5,13 +5,21 @@ router's placement and Ray calls before the prefill, and, on every decode step, 
 stream through the decode actor, Ray and the router, work that shares the decode process with
 the engine thread. On this machine that made served decode steps ~1.7x the bare ones, which no
 engine profile can predict. So, as Dynamo's profiler does, this one measures the deployment
-itself with synthetic requests of controlled shapes (never the workload being predicted):
+itself with synthetic requests of controlled shapes (never the workload being predicted).
+A shared machine drifts by tens of percent within minutes, so `plan validate` runs the same
+measurement (`CALIBRATE`) on each case's own cluster right before the case:
 
 - prefill: single requests one at a time (idle cluster), prompt t new tokens after a cached
-  prefix c; the served TTFT minus the engine's prefill step time is the first token's fixed
-  delay (router, Ray and gRPC latency, which does not occupy the worker);
-- decode: b equal streams at once; the gaps between chunks while all b decode are the served
-  decode step, fitted as d0 + d1*b + d2*context like the engine's.
+  prefix c; the served TTFT of short prompts minus the engine's prefill step time is the
+  first token's fixed delay (router, Ray and gRPC latency, which does not occupy the worker),
+  and longer prompts say how far the engine profile's prefill has drifted since;
+- decode: b equal streams at once; the mean gap between chunks while all b decode is the
+  served decode step, fitted as d0 + d1*b + d2*context like the engine's; a lone stream's
+  first gap, less one step and the transfer's last layer, is the KV hand-off (completion
+  notice, the decode loop noticing it);
+- interference: a stream's gaps while another worker on the machine prefills long prompts,
+  against its gaps otherwise (two workers on two cores slow each other down by tens of
+  percent here: they share caches, memory bandwidth and, on this VM, probably a core).
 """
 from __future__ import annotations
 
@@ -21,13 +29,20 @@ import statistics
 
 from tqdm import tqdm
 
+from dataclasses import replace
+
 from bench.serve.workloads import Workload, WorkloadRequest
-from cluster.planning.fit import fit_decode
+from cluster.planning.fit import fit_decode, fit_prefill
+from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
-        "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 24}
+        "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60, "interference": True}
+# what `plan validate` measures on each case's own cluster just before running it
+CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2,
+             "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 45, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
          "decode_tokens": 12}
+SHORT_PROMPT = 128   # served TTFTs of prompts up to this long give the first token's fixed delay
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -45,10 +60,10 @@ def _run(address: str, reqs: list[WorkloadRequest], concurrency: int | None):
     return records
 
 
-def measure_serving(address: str, vocab: int, quick: bool = False, seed: int = 1) -> dict:
+def measure_serving(address: str, vocab: int, grid: dict = FULL, seed: int = 1, workers: int = 1) -> dict:
     """Points measured against the router at `address`: prefill (t, c, served TTFT s) and
-    decode (b, context, served step s)."""
-    grid = QUICK if quick else FULL
+    decode (b, context, served step s) per decode worker; with `workers` decode (or
+    colocated) workers, b streams per worker are sent at once and grouped by placement."""
     rng = random.Random(seed)
     prefill = []
     for t, c in tqdm(grid["prefill"], desc="served prefill", leave=False):
@@ -59,22 +74,84 @@ def measure_serving(address: str, vocab: int, quick: bool = False, seed: int = 1
             ids = prefix + _ids(rng, t, vocab)
             rec = _run(address, [WorkloadRequest(0, 0.0, len(ids), 1, prompt_token_ids=ids)], 1)[0]
             prefill.append((t, c, rec.ttft_s))
-    decode = []
+    decode, first_gaps = [], []
     k = grid["decode_tokens"]
+    lo, hi = k // 3, 2 * k // 3
     for b in tqdm(grid["batch"], desc="served decode", leave=False):
         for L in grid["ctx"]:
-            reqs = [WorkloadRequest(i, 0.0, L, k, prompt_token_ids=_ids(rng, L, vocab)) for i in range(b)]
-            records = _run(address, reqs, None)
-            # the middle third of the stream: every one of the b requests is decoding then
-            lo, hi = k // 3, 2 * k // 3
-            gaps = [g for r in records for g in r.itls_s[lo:hi]]
-            decode.append((b, b * (L + (lo + hi) // 2), statistics.median(gaps)))
-    return {"prefill": prefill, "decode": decode}
+            reqs = [WorkloadRequest(i, 0.0, L, k, prompt_token_ids=_ids(rng, L, vocab)) for i in range(b * workers)]
+            by_worker: dict[str, list] = {}
+            for r in _run(address, reqs, None):
+                by_worker.setdefault(r.server.get("decode_worker", ""), []).append(r)
+            for recs in by_worker.values():
+                # the middle third of the streams: all of this worker's requests decode then.
+                # The mean, not the median: TPOT is a mean of gaps, and the occasional slow
+                # step (the process shares its core and GIL with output streaming) is part of it.
+                gaps = [g for r in recs for g in r.itls_s[lo:hi]]
+                decode.append((len(recs), len(recs) * (L + (lo + hi) // 2), statistics.fmean(gaps)))
+                if len(recs) == 1:  # alone: first token -> second is transfer, hand-off, one step
+                    first_gaps.append((L, recs[0].itls_s[0]))
+    interference = measure_interference(address, vocab, rng) if grid.get("interference") else None
+    return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference}
 
 
-def profile_serving(model: str, dtype: str, engine_lm, quick: bool = False, transport: str = "nixl") -> dict:
-    """Start a 1 prefill + 1 decode cluster here, measure, stop it. Returns the points, the
-    served decode fit and the first token's delay over the engine's prefill fit."""
+def measure_interference(address: str, vocab: int, rng: random.Random) -> dict:
+    """How much a worker's steps slow down while another worker on this machine is busy: one
+    decode stream runs while long prompts are prefilled elsewhere (by the prefill worker, or,
+    colocated, by the idle worker the router picks); the stream's gaps ending inside a
+    prefill's window against those outside. Returns {inside_s, outside_s, factor}."""
+    k, long_prompt = 160, 1536
+    streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab))]
+    longs = [WorkloadRequest(1 + j, 0.6 + 2.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab))
+             for j in range(2)]
+    records = _run(address, streams + longs, None)
+    windows = [(r.start_s, r.start_s + r.ttft_s) for r in records[1:]]
+    inside, outside = [], []
+    for r in records[:1]:
+        t = [r.start_s + c for c in r.chunk_times_s]
+        for a, b in zip(t[1:], t[2:]):  # skip the first gap (transfer, hand-off)
+            (inside if any(lo <= b <= hi for lo, hi in windows) else outside).append(b - a)
+    if not inside or not outside:
+        return {"inside_s": None, "outside_s": None, "factor": 0.0}
+    mi, mo = statistics.fmean(inside), statistics.fmean(outside)
+    return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0)}
+
+
+def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict]:
+    """The engine profile made to match the served points: decode refitted on the served
+    steps; the first token's fixed delay from short prompts (served TTFT over the engine's
+    prefill step); prefill scaled by how much slower (or faster) longer served prefills ran
+    than the engine profile says, which absorbs drift of a shared machine since profiling."""
+    short = [ttft - engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t <= SHORT_PROMPT]
+    delay = max(statistics.median(short), 0.0) if short else 0.0
+    long = [(ttft - delay) / engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t > SHORT_PROMPT]
+    scale = statistics.median(long) if long else 1.0
+    prefill = tuple(p * scale for p in engine_lm.prefill)
+    fresh = [(t, c, ttft - delay) for t, c, ttft in points["prefill"] if c == 0]
+    if len({t for t, _, _ in fresh}) >= 4:
+        # enough prompt lengths to refit p0, p1, p2 on the served steps themselves (the engine
+        # profile's quadratic term, fitted up to ~1k tokens, overshot 2k-token prompts by ~25 %);
+        # the cached-context term keeps the engine's, scaled
+        fp = fit_prefill(fresh)  # no cached context among them: its column is 0, its term comes from above
+        prefill = fp.coef[:3] + (prefill[3],)
+    fd = fit_decode(points["decode"])
+    lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
+    handoffs = [gap - lm.decode_time(1, L + 1) - lm.transfer_time(L * lm.kv_bytes_per_token) / max(lm.num_layers, 1)
+                for L, gap in points.get("first_gaps", ())]
+    handoff = max(statistics.median(handoffs), 0.0) if handoffs else 0.0
+    interference = (points.get("interference") or {}).get("factor", 0.0)
+    info = {"decode_fit": fd.as_dict(), "first_token_delay_s": delay, "prefill_scale": scale,
+            "kv_handoff_s": handoff, "host_interference": interference}
+    lm = replace(lm, source=engine_lm.source.replace("profile:", "served:", 1),
+                 meta=dict(engine_lm.meta, served=True, engine_decode=list(engine_lm.decode),
+                           **{k: v for k, v in info.items() if k != "decode_fit"}))
+    return lm, info
+
+
+def profile_serving(model: str, dtype: str, engine_lm: LatencyModel, quick: bool = False,
+                    transport: str = "nixl") -> tuple[LatencyModel, dict]:
+    """Start a 1 prefill + 1 decode cluster here, measure, stop it: the calibrated model and
+    {points, decode_fit, first_token_delay_s, prefill_scale}."""
     from bench.serve.client import model_info
     from cluster.config import ClusterConfig
     from cluster.runtime import Cluster
@@ -85,9 +162,8 @@ def profile_serving(model: str, dtype: str, engine_lm, quick: bool = False, tran
     address = cluster.start()
     try:
         info = asyncio.run(model_info(address))
-        points = measure_serving(address, info.vocab_size, quick)
+        points = measure_serving(address, info.vocab_size, QUICK if quick else FULL)
     finally:
         cluster.stop()
-    delays = [ttft - engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"]]
-    fd = fit_decode(points["decode"])
-    return {"points": points, "decode_fit": fd.as_dict(), "first_token_delay_s": max(statistics.median(delays), 0.0)}
+    lm, info = calibrate(engine_lm, points)
+    return lm, {"points": points, **info}

@@ -76,9 +76,11 @@ def sim_pool(pool: PoolConfig, *, profile: LatencyModel | None = None, pool_prof
 
 def sim_cluster(cfg: ClusterConfig, *, profile: LatencyModel | None = None,
                 pool_profiles: dict[str, LatencyModel] | None = None, shape: ModelShape | None = None,
-                max_model_len: int = DEFAULT_MAX_MODEL_LEN, first_token_delay_s: float | None = None,
-                token_delay_s: float | None = None) -> SimCluster:
-    """Delays default to what the profile measured for the serving path (`meta`), else 0."""
+                max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> SimCluster:
+    """The serving path's figures (first-token delay, KV hand-off, interference of workers
+    sharing this machine) come from the profile's `meta` when it was calibrated on a served
+    cluster (serving_profile.py), else 0. Pools timed by a profile of this machine are taken to
+    share one host (a local cluster); GPU pools have their own devices."""
     pool_profiles = pool_profiles or {}
     unknown = set(pool_profiles) - {p.name for p in cfg.pools}
     if unknown:
@@ -86,8 +88,10 @@ def sim_cluster(cfg: ClusterConfig, *, profile: LatencyModel | None = None,
     pools = [sim_pool(p, profile=profile, pool_profile=pool_profiles.get(p.name), shape=shape,
                       max_model_len=cfg.max_model_len or max_model_len) for p in cfg.pools]
     meta = (profile.meta if profile is not None else {}) or {}
+    for pool in pools:
+        if not pool.gpus_per_replica:
+            pool.host = "localhost"
     return SimCluster(pools, policy=cfg.router.policy, max_inflight=cfg.router.max_inflight,
                       max_queue=cfg.router.max_queue, transport=cfg.transport.kind,
-                      first_token_delay_s=meta.get("first_token_delay_s", 0.0) if first_token_delay_s is None
-                      else first_token_delay_s,
-                      token_delay_s=meta.get("token_delay_s", 0.0) if token_delay_s is None else token_delay_s)
+                      first_token_delay_s=meta.get("first_token_delay_s", 0.0),
+                      kv_handoff_s=meta.get("kv_handoff_s", 0.0), host_interference=meta.get("host_interference", 0.0))

@@ -20,7 +20,8 @@ costing the pages it covers, plus one entry for each request's unshared pages, c
 pages not held by running requests. Pages a request reuses still count against the pool
 (as in the engine, a hit saves compute, not memory).
 
-The step time is the pool's `LatencyModel.step_time`. What the worker does with a request
+The step time is the pool's `LatencyModel.step_time`, times `slowdown()` (workers sharing a
+host's cores slow each other down). What the worker does with a request
 that reached its first token or finished is its owner's business (`on_sampled`).
 """
 from __future__ import annotations
@@ -131,6 +132,8 @@ class EngineSim:
                  on_sampled: Callable[[EngineSim, SimRequest, float], bool]) -> None:
         self.name, self.role, self.latency, self.limits = name, role, latency, limits
         self.on_sampled = on_sampled
+        # x step time from neighbours busy on the same host (set by the owner; 1 = alone)
+        self.slowdown: Callable[[], float] = lambda: 1.0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.arrived: deque[SimRequest] = deque()  # KV here, waiting for a sequence slot
@@ -283,7 +286,7 @@ class EngineSim:
         if not chosen:
             return None
         self.cache.shrink(self.free_pages)
-        dur = self.latency.step_time(chunks, num_dec, ctx)
+        dur = self.latency.step_time(chunks, num_dec, ctx) * self.slowdown()
         self.step = _Step(now, now + dur, chosen)
         self.steps += 1
         self.busy_s += dur

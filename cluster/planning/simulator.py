@@ -4,8 +4,9 @@ The same request way as the real cluster (DESIGN.md), with step times from a `La
 per pool instead of tensors:
 
     arrival -> router admission (max_inflight running, max_queue waiting, else rejected)
-    -> decode pick (policy) -> destination pages reserved (or QUEUED_FOR_PAGES until free;
-       an uncached prompt under local_prefill_threshold, or a colocated worker: LOCAL_PREFILL)
+    -> decode pick (policy) -> destination pages reserved at the worker's next step boundary
+       (it takes calls between steps), or QUEUED_FOR_PAGES until free;
+       an uncached prompt under local_prefill_threshold, or a colocated worker: LOCAL_PREFILL
     -> prefill pick (policy) -> prefill engine (batching, chunks, prefix cache) -> first token
        (TTFT) -> KV transfer on the prefill worker's link, layer by layer behind the last step
     -> decode engine (continuous batching, pages, preemption by recompute) -> one token per
@@ -47,6 +48,7 @@ class SimPool:
     local_prefill_threshold: int = 0
     reserve_pages: int = 0
     hardware: str = "cpu"            # what one replica runs on (for reports and costs)
+    host: str = ""                   # replicas of pools with the same non-empty host share its cores
     gpus_per_replica: int = 0
     price_per_hour: float = 0.0      # per replica
 
@@ -64,8 +66,9 @@ class SimCluster:
     max_inflight: int = 64
     max_queue: int = 256
     transport: str = "nixl"
-    first_token_delay_s: float = 0.0   # router and network time on the first token's way to the client
-    token_delay_s: float = 0.0         # the same for every later chunk
+    first_token_delay_s: float = 0.0   # router and network time of every chunk on its way to the client
+    kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
+    host_interference: float = 0.0     # step time x (1 + this x other busy workers on the same host)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,6 +108,7 @@ class _View:
     local_threshold: int = 0
     reserve: int = 0
     page_queue: deque = field(default_factory=deque)
+    admit_queue: deque = field(default_factory=deque)  # arrived during a step, admitted at its end
     link_free: float = 0.0
     kick_pending: bool = False
 
@@ -114,11 +118,23 @@ class Simulator:
         self.cluster = cluster
         self.prefills: list[_View] = []
         self.decodes: list[_View] = []
+        self._order: list[_View] = []
         for pool in cluster.pools:
             for i in range(pool.replicas):
                 w = EngineSim(f"{pool.name}-{i}", pool.role, pool.latency, pool.limits, self._on_sampled)
                 v = _View(w, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
                 (self.prefills if pool.role == "prefill" else self.decodes).append(v)
+                self._order.append(v)
+        if cluster.host_interference:
+            by_host: dict[str, list[EngineSim]] = {}
+            for pool, v in zip((p for p in cluster.pools for _ in range(p.replicas)), self._order):
+                if pool.host:
+                    by_host.setdefault(pool.host, []).append(v.worker)
+            for workers in by_host.values():
+                for w in workers:
+                    others = [o for o in workers if o is not w]
+                    w.slowdown = lambda others=others: 1.0 + cluster.host_interference * sum(
+                        o.busy or o.has_work for o in others)  # a worker with work steps back to back
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
@@ -210,7 +226,9 @@ class Simulator:
             dec.add(req)
             self._kick(dview, now)
             return
-        if not dview.page_queue and self._reserve(dview, req):
+        if dec.busy:  # the worker takes calls between steps: pages are reserved when this one ends
+            dview.admit_queue.append(req)
+        elif not dview.page_queue and self._reserve(dview, req):
             self._dispatch_prefill(req, now)
         else:
             dview.page_queue.append(req)
@@ -225,6 +243,12 @@ class Simulator:
     def _admit_queued_pages(self, dview: _View, now: float) -> None:
         while dview.page_queue and self._reserve(dview, dview.page_queue[0]):
             self._dispatch_prefill(dview.page_queue.popleft(), now)
+        while dview.admit_queue:
+            req = dview.admit_queue.popleft()
+            if not dview.page_queue and self._reserve(dview, req):
+                self._dispatch_prefill(req, now)
+            else:
+                dview.page_queue.append(req)
 
     def _dispatch_prefill(self, req: SimRequest, now: float) -> None:
         pview = self._pick_prefill(req)
@@ -279,7 +303,7 @@ class Simulator:
         start = max(pview.link_free, pview.worker.last_step_start)
         end = max(start + total, now + total / max(lm.num_layers, 1))
         pview.link_free = end
-        self._push(end, 2, req)
+        self._push(end + self.cluster.kv_handoff_s, 2, req)
 
     def _kv_done(self, req: SimRequest, now: float) -> None:
         pview = self._by_name[req.prefill_worker]
@@ -326,7 +350,7 @@ class Simulator:
         if r.error or not r.token_times:
             rec.error = r.error or "NOT_FINISHED"
             return rec
-        times = [r.token_times[0] + c.first_token_delay_s] + [t + c.token_delay_s for t in r.token_times[1:]]
+        times = [t + c.first_token_delay_s for t in r.token_times]
         rec.ok = True
         rec.chunk_times_s = [t - r.arrival for t in times]
         rec.ttft_s = rec.chunk_times_s[0]

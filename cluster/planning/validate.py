@@ -1,10 +1,11 @@
 """Check the simulator against the real cluster on this machine.
 
-For each case (a cluster shape and a workload that run here): simulate it with the profile's
-latency model, then start the real cluster (local Ray on 127.0.0.1, the same config), replay
-the same workload with `bench serve`'s client, and compare the figures users read: TTFT
-p50/p90, TPOT p50/p90, request and output throughput. The relative error is
-predicted / measured - 1.
+For each case (a cluster shape and a workload that run here): start the real cluster (local
+Ray on 127.0.0.1), calibrate the profile on it with synthetic requests (served decode steps,
+the first token's fixed delay, prefill drift since profiling: a shared machine drifts by tens
+of percent within minutes), simulate the case with that model, then replay the same workload
+with `bench serve`'s client and compare the figures users read: TTFT p50/p90, TPOT p50/p90,
+request and output throughput. The relative error is predicted / measured - 1.
 
 Both sides get exactly the same requests (same trace slice, scaling, arrival times and seeds);
 prompts get fresh tokens per case, so no case hits the prefix cache another case left.
@@ -83,11 +84,26 @@ def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str
 
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
     res = simulate(cluster, case_workload(case, max_model_len))
-    return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s}
+    return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s,
+            "requests": [_compact(r) for r in res.records]}
 
 
-def measure(case: Case, model: str, dtype: str, transport: str, max_model_len: int, salt: int) -> dict:
+def _compact(r) -> dict:
+    """What the comparison needs of one request record, both sides alike."""
+    gaps = r.itls_s
+    return {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ok": r.ok,
+            "start_s": r.start_s, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "first_gap_s": gaps[0] if gaps else None,
+            "mean_later_gap_s": sum(gaps[1:]) / len(gaps[1:]) if len(gaps) > 1 else None,
+            "server": {k: v for k, v in r.server.items() if isinstance(v, (int, float, str, bool))}}
+
+
+def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
+             salt: int, calibrate: bool = True) -> dict:
+    """Start the case's cluster; calibrate the model on it (served decode steps, first-token
+    delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); predict; then
+    replay the case's workload on it and measure."""
     from bench.serve.client import model_info, run_benchmark
+    from cluster.planning import serving_profile
     from cluster.runtime import Cluster
 
     wl = case_workload(case, max_model_len)
@@ -95,23 +111,33 @@ def measure(case: Case, model: str, dtype: str, transport: str, max_model_len: i
     address = cluster.start()
     try:
         info = asyncio.run(model_info(address))
+        cal = {}
+        if calibrate:
+            workers = case.decode
+            points = serving_profile.measure_serving(address, info.vocab_size, serving_profile.CALIBRATE,
+                                                     seed=1000 + salt, workers=workers)
+            lm, cal = serving_profile.calibrate(lm, points)
+            cal["points"] = points
+        pred = predict(case, lm, model, dtype, transport, max_model_len)
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
         records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
     finally:
         cluster.stop()
-    return {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records)}
+    meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
+            "requests": [_compact(r) for r in records]}
+    return {"predicted": pred, "measured": meas, "calibration": cal, "latency_model": lm.to_json()}
 
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
-             max_model_len: int, log=print) -> list[dict]:
+             max_model_len: int, calibrate: bool = True, log=print) -> list[dict]:
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
-        pred = predict(case, lm, model, dtype, transport, max_model_len)
-        meas = measure(case, model, dtype, transport, max_model_len, salt=i + 1)
-        rows = compare(pred["summary"], meas["summary"])
-        out.append({"case": asdict(case), "description": case.describe(), "rows": rows,
-                    "predicted": pred, "measured": meas, "wall_s": time.time() - t0})
+        res = run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
+                       salt=i + 1, calibrate=calibrate)
+        rows = compare(res["predicted"]["summary"], res["measured"]["summary"])
+        out.append({"case": asdict(case), "description": case.describe(), "rows": rows, **res,
+                    "wall_s": time.time() - t0})
         log(format_case(out[-1]))
     return out
 

@@ -17,8 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-out", default="validate-profile.json", help="where a fresh profile is written")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--num-requests", type=int, help=">= 1: override every case's request count")
+    p.add_argument("--dataset", help="override every case's workload (a bench serve --dataset name, or random)")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
     p.add_argument("--predict-only", action="store_true", help="simulate the cases, run nothing real")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="predict from the profile as it is (no calibration on each case's cluster)")
     p.add_argument("--json", default="validate.json", help="every figure, both sides, per case")
 
 
@@ -37,13 +40,20 @@ def run(args: argparse.Namespace) -> int:
     if args.num_requests is not None and args.num_requests < 1:
         print(f"pdcluster plan validate: --num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
         return 2
-    cases = [replace(CASES[n], num_requests=args.num_requests or CASES[n].num_requests) for n in names]
+    from bench.serve.workloads import KINDS
+
+    if args.dataset is not None and args.dataset not in KINDS:
+        print(f"pdcluster plan validate: --dataset must be one of {', '.join(KINDS)}, got {args.dataset!r}",
+              file=sys.stderr)
+        return 2
+    cases = [replace(CASES[n], num_requests=args.num_requests or CASES[n].num_requests,
+                     dataset=args.dataset or CASES[n].dataset) for n in names]
     if args.profile:
         lm = LatencyModel.load(args.profile)
     else:
         from cluster.planning.profile import profile_engine
 
-        res = profile_engine(args.model, args.dtype, transports=(args.transport,), serving=True)
+        res = profile_engine(args.model, args.dtype, transports=(args.transport,))
         Path(args.profile_out).write_text(json.dumps(res, indent=2))
         print(f"profiled {args.model} ({args.dtype}) -> {args.profile_out}")
         lm = LatencyModel.from_json(res["latency_model"])
@@ -55,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                   f"TPOT p50 {s['tpot_ms']['median']:.1f} ms p90 {s['tpot_ms']['p90']:.1f} ms, "
                   f"{s['request_throughput']:.3f} req/s")
         return 0
-    results = validate(cases, lm, model=args.model, dtype=args.dtype, transport=args.transport, max_model_len=max_len)
+    results = validate(cases, lm, model=args.model, dtype=args.dtype, transport=args.transport, max_model_len=max_len,
+                       calibrate=not args.no_calibrate)
     worst = max((abs(r["rel_err"]) for res in results for r in res["rows"] if r["rel_err"] is not None), default=0.0)
     print(f"largest error {worst:.1%} (target <= {TARGET:.0%}): {'met' if worst <= TARGET else 'missed'}")
     Path(args.json).write_text(json.dumps({"profile": lm.to_json(), "results": results, "largest_error": worst},

@@ -1,0 +1,50 @@
+"""The planning loop on the real cluster: a served profile of the tiny model (decode steps and
+the first token's delay timed through a local Ray cluster), then `plan validate` simulating a
+case and running it for real, both sides on the same requests."""
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.planning.latency import LatencyModel
+
+
+@pytest.fixture(scope="module")
+def served_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "tiny-served.json"
+    assert main(["plan", "profile", "--model", "tiny", "--quick", "--transports", "nixl", "--serving",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def test_served_profile_times_decode_through_the_cluster(served_profile):
+    doc = json.loads(served_profile.read_text())
+    lm = LatencyModel.load(served_profile)
+    assert lm.meta["served"] is True and lm.source.startswith("served:")
+    # served decode points: one per (batch, context), each a median of real chunk gaps
+    assert [b for b, _, _ in doc["points"]["served_decode"]] == [1, 2, 4]
+    assert all(0 < s < 1.0 for _, _, s in doc["points"]["served_decode"])
+    # a served first token pays router, Ray and gRPC time on top of the engine's prefill step
+    assert 0 < lm.meta["first_token_delay_s"] < 1.0
+    assert lm.decode_time(1, 64) > 0
+
+
+def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_path, capsys):
+    out = tmp_path / "validate.json"
+    rc = main(["plan", "validate", "--model", "tiny", "--profile", str(served_profile), "--cases", "disagg-low",
+               "--num-requests", "8", "--dataset", "random", "--json", str(out)])
+    assert rc == 0
+    assert "largest error" in capsys.readouterr().out
+    res = json.loads(out.read_text())["results"][0]
+    assert res["measured"]["failed"] == 0
+    rows = {r["figure"]: r for r in res["rows"]}
+    assert set(rows) == {"ttft median", "ttft p90", "tpot median", "tpot p90", "request_throughput",
+                         "output_throughput"}
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in rows.values())
+    # 8 requests at 0.4 req/s: both sides are paced by the arrivals, whatever the step times
+    assert rows["request_throughput"]["rel_err"] == pytest.approx(0.0, abs=0.35)
+
+
+def test_validate_rejects_unknown_cases(capsys):
+    assert main(["plan", "validate", "--cases", "nope"]) == 2
+    assert "--cases must name some of" in capsys.readouterr().err
