@@ -17,6 +17,8 @@ measurement (`CALIBRATE`) on each case's own cluster right before the case:
   served decode step, fitted as d0 + d1*b + d2*context like the engine's; a lone stream's
   first gap, less one step and the transfer's last layer, is the KV hand-off (completion
   notice, the decode loop noticing it);
+- busy admission: short prompts' TTFT while a decode stream runs, over an idle TTFT (the
+  worker takes calls between steps, and its engine thread holds the GIL in between);
 - interference: a stream's gaps while another worker on the machine prefills long prompts,
   against its gaps otherwise (two workers on two cores slow each other down by tens of
   percent here: they share caches, memory bandwidth and, on this VM, probably a core).
@@ -91,8 +93,22 @@ def measure_serving(address: str, vocab: int, grid: dict = FULL, seed: int = 1, 
                 decode.append((len(recs), len(recs) * (L + (lo + hi) // 2), statistics.fmean(gaps)))
                 if len(recs) == 1:  # alone: first token -> second is transfer, hand-off, one step
                     first_gaps.append((L, recs[0].itls_s[0]))
-    interference = measure_interference(address, vocab, rng) if grid.get("interference") else None
-    return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference}
+    interference = busy = None
+    if grid.get("interference"):
+        interference = measure_interference(address, vocab, rng)
+        busy = measure_busy_ttft(address, vocab, rng)
+    return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
+            "busy_ttft": busy}
+
+
+def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int = 16) -> list[float]:
+    """TTFTs of short prompts sent while a decode stream runs. A worker takes calls (admit,
+    submit) between its steps, on a process whose engine thread holds the GIL in between; the
+    time this adds over an idle worker's TTFT shows here."""
+    reqs = [WorkloadRequest(0, 0.0, 64, 120, prompt_token_ids=_ids(rng, 64, vocab))]
+    reqs += [WorkloadRequest(1 + j, 0.4 + 0.35 * j, prompt, 1, prompt_token_ids=_ids(rng, prompt, vocab))
+             for j in range(6)]
+    return [r.ttft_s for r in _run(address, reqs, None)[1:]]
 
 
 def measure_interference(address: str, vocab: int, rng: random.Random) -> dict:
@@ -140,8 +156,13 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
                 for L, gap in points.get("first_gaps", ())]
     handoff = max(statistics.median(handoffs), 0.0) if handoffs else 0.0
     interference = (points.get("interference") or {}).get("factor", 0.0)
+    busy = points.get("busy_ttft") or []
+    # over an idle worker's TTFT, less the wait for the current step to end (half a step on average)
+    idle = [ttft for t, c, ttft in points["prefill"] if t == 16 and c == 0]
+    busy_admit = max(statistics.median(busy) - statistics.median(idle) - lm.decode_time(1, 100) / 2, 0.0) \
+        if busy and idle else 0.0
     info = {"decode_fit": fd.as_dict(), "first_token_delay_s": delay, "prefill_scale": scale,
-            "kv_handoff_s": handoff, "host_interference": interference}
+            "kv_handoff_s": handoff, "host_interference": interference, "busy_admit_s": busy_admit}
     lm = replace(lm, source=engine_lm.source.replace("profile:", "served:", 1),
                  meta=dict(engine_lm.meta, served=True, engine_decode=list(engine_lm.decode),
                            **{k: v for k, v in info.items() if k != "decode_fit"}))

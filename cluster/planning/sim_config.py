@@ -94,4 +94,5 @@ def sim_cluster(cfg: ClusterConfig, *, profile: LatencyModel | None = None,
     return SimCluster(pools, policy=cfg.router.policy, max_inflight=cfg.router.max_inflight,
                       max_queue=cfg.router.max_queue, transport=cfg.transport.kind,
                       first_token_delay_s=meta.get("first_token_delay_s", 0.0),
-                      kv_handoff_s=meta.get("kv_handoff_s", 0.0), host_interference=meta.get("host_interference", 0.0))
+                      kv_handoff_s=meta.get("kv_handoff_s", 0.0), host_interference=meta.get("host_interference", 0.0),
+                      busy_admit_s=meta.get("busy_admit_s", 0.0))

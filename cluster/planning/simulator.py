@@ -69,6 +69,7 @@ class SimCluster:
     first_token_delay_s: float = 0.0   # router and network time of every chunk on its way to the client
     kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
     host_interference: float = 0.0     # step time x (1 + this x other busy workers on the same host)
+    busy_admit_s: float = 0.0          # a decode worker admits between steps; this much later while it steps
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -108,7 +109,7 @@ class _View:
     local_threshold: int = 0
     reserve: int = 0
     page_queue: deque = field(default_factory=deque)
-    admit_queue: deque = field(default_factory=deque)  # arrived during a step, admitted at its end
+    admit_queue: deque = field(default_factory=deque)  # (ready time, request): admitted at a step boundary
     link_free: float = 0.0
     kick_pending: bool = False
 
@@ -168,6 +169,9 @@ class Simulator:
                 self._step_done(obj, now)
             elif kind == 2:
                 self._kv_done(obj, now)
+            elif kind == 4:
+                if not obj.worker.busy:
+                    self._admit_queued_pages(obj, now)
             else:
                 self._start_step(obj, now)
         end = max([r.finished for r in reqs] + [r.arrival for r in reqs] + [0.0])
@@ -226,8 +230,9 @@ class Simulator:
             dec.add(req)
             self._kick(dview, now)
             return
-        if dec.busy:  # the worker takes calls between steps: pages are reserved when this one ends
-            dview.admit_queue.append(req)
+        if dec.busy or dec.has_work:  # it takes calls between steps, slower while it steps
+            dview.admit_queue.append((now + self.cluster.busy_admit_s, req))
+            self._push(now + self.cluster.busy_admit_s, 4, dview)
         elif not dview.page_queue and self._reserve(dview, req):
             self._dispatch_prefill(req, now)
         else:
@@ -243,8 +248,8 @@ class Simulator:
     def _admit_queued_pages(self, dview: _View, now: float) -> None:
         while dview.page_queue and self._reserve(dview, dview.page_queue[0]):
             self._dispatch_prefill(dview.page_queue.popleft(), now)
-        while dview.admit_queue:
-            req = dview.admit_queue.popleft()
+        while dview.admit_queue and dview.admit_queue[0][0] <= now:
+            req = dview.admit_queue.popleft()[1]
             if not dview.page_queue and self._reserve(dview, req):
                 self._dispatch_prefill(req, now)
             else:

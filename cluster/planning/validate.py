@@ -57,12 +57,20 @@ def figure(summary: dict, metric: str, stat: str | None) -> float | None:
     return None if v is None else float(v)
 
 
-def compare(predicted: dict, measured: dict) -> list[dict]:
+def compare(predicted: list[dict], measured: list[dict]) -> list[dict]:
+    """Per figure: the mean prediction and the mean measurement over repeats, the relative
+    error of the means, and how far the repeated measurements spread (max/min - 1): the
+    noise floor a prediction cannot be checked below."""
     rows = []
     for metric, stat in FIGURES:
-        p, m = figure(predicted, metric, stat), figure(measured, metric, stat)
+        ps = [v for s in predicted if (v := figure(s, metric, stat)) is not None]
+        ms = [v for s in measured if (v := figure(s, metric, stat)) is not None]
+        p = sum(ps) / len(ps) if ps else None
+        m = sum(ms) / len(ms) if ms else None
         err = (p / m - 1.0) if p is not None and m else None
-        rows.append({"figure": f"{metric} {stat or ''}".strip(), "predicted": p, "measured": m, "rel_err": err})
+        spread = (max(ms) / min(ms) - 1.0) if len(ms) > 1 and min(ms) > 0 else None
+        rows.append({"figure": f"{metric} {stat or ''}".strip(), "predicted": p, "measured": m, "rel_err": err,
+                     "measured_each": ms, "predicted_each": ps, "repeat_spread": spread})
     return rows
 
 
@@ -129,25 +137,28 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
 
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
-             max_model_len: int, calibrate: bool = True, log=print) -> list[dict]:
+             max_model_len: int, calibrate: bool = True, repeats: int = 1, log=print) -> list[dict]:
+    """Each case `repeats` times (fresh cluster, calibration and prediction each time)."""
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
-        res = run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
-                       salt=i + 1, calibrate=calibrate)
-        rows = compare(res["predicted"]["summary"], res["measured"]["summary"])
-        out.append({"case": asdict(case), "description": case.describe(), "rows": rows, **res,
-                    "wall_s": time.time() - t0})
+        runs = [run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
+                         salt=1 + i + 100 * k, calibrate=calibrate) for k in range(repeats)]
+        rows = compare([r["predicted"]["summary"] for r in runs], [r["measured"]["summary"] for r in runs])
+        out.append({"case": asdict(case), "description": case.describe(), "rows": rows, "runs": runs,
+                    "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0})
         log(format_case(out[-1]))
     return out
 
 
 def format_case(result: dict) -> str:
-    lines = [f"== {result['case']['name']}: {result['description']} (failed: {result['measured']['failed']})",
-             f"   {'figure':<22}{'predicted':>12}{'measured':>12}{'error':>9}"]
+    n = len(result["runs"])
+    lines = [f"== {result['case']['name']}: {result['description']}, {n} run(s) (failed: {result['failed']})",
+             f"   {'figure':<22}{'predicted':>12}{'measured':>12}{'error':>9}{'repeat spread':>15}"]
     for r in result["rows"]:
         p = "-" if r["predicted"] is None else f"{r['predicted']:.2f}"
         m = "-" if r["measured"] is None else f"{r['measured']:.2f}"
         e = "-" if r["rel_err"] is None else f"{r['rel_err']:+.1%}"
-        lines.append(f"   {r['figure']:<22}{p:>12}{m:>12}{e:>9}")
+        sp = "-" if r["repeat_spread"] is None else f"{r['repeat_spread']:.1%}"
+        lines.append(f"   {r['figure']:<22}{p:>12}{m:>12}{e:>9}{sp:>15}")
     return "\n".join(lines)

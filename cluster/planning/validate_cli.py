@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, help=">= 1: override every case's request count")
     p.add_argument("--dataset", help="override every case's workload (a bench serve --dataset name, or random)")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--repeats", type=int, default=1,
+                   help=">= 1 runs of each case (fresh cluster each): errors of the means, and the runs' spread")
     p.add_argument("--predict-only", action="store_true", help="simulate the cases, run nothing real")
     p.add_argument("--no-calibrate", action="store_true",
                    help="predict from the profile as it is (no calibration on each case's cluster)")
@@ -36,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if not names or unknown:
         print(f"pdcluster plan validate: --cases must name some of {', '.join(CASES)}, got {args.cases!r}",
               file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"pdcluster plan validate: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
     if args.num_requests is not None and args.num_requests < 1:
         print(f"pdcluster plan validate: --num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{s['request_throughput']:.3f} req/s")
         return 0
     results = validate(cases, lm, model=args.model, dtype=args.dtype, transport=args.transport, max_model_len=max_len,
-                       calibrate=not args.no_calibrate)
+                       calibrate=not args.no_calibrate, repeats=args.repeats)
     worst = max((abs(r["rel_err"]) for res in results for r in res["rows"] if r["rel_err"] is not None), default=0.0)
     print(f"largest error {worst:.1%} (target <= {TARGET:.0%}): {'met' if worst <= TARGET else 'missed'}")
     Path(args.json).write_text(json.dumps({"profile": lm.to_json(), "results": results, "largest_error": worst},
