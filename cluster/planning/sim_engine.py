@@ -62,6 +62,7 @@ class SimRequest:
     scheduled: float = 0.0       # the workload's arrival (the send may wait for a client slot)
     dest_pages: int = 0          # pages reserved on the decode worker while the prefill runs
     kv_bytes: int = 0
+    page_keys: tuple = ()        # the router's hashes of its shared full pages (prefix-aware placement)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len
@@ -206,15 +207,6 @@ class EngineSim:
         ps = self.limits.page_size
         tokens = (blocks * req.block_tokens) // ps * ps
         return min(tokens, (req.prompt_len - 1) // ps * ps)
-
-    def matched_tokens(self, req: SimRequest) -> int:
-        """What a prefix-aware router believes is cached here (no LRU touch)."""
-        n = 0
-        for k in req.block_keys:
-            if k not in self.cache.entries:
-                break
-            n += 1
-        return n * req.block_tokens
 
     # ---- one step ---------------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:

@@ -33,9 +33,9 @@ from bench.serve.metrics import RequestRecord
 from bench.serve.workloads import Workload
 from cluster.planning.latency import LatencyModel
 from cluster.planning.sim_engine import EngineLimits, EngineSim, SimRequest
+from router.policy import POLICIES, WorkerView, make_policy
 
 ROLES = ("prefill", "decode", "colocated")
-POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
 @dataclass(slots=True)
@@ -70,6 +70,7 @@ class SimCluster:
     kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
     host_interference: float = 0.0     # step time x (1 + this x other busy workers on the same host)
     busy_admit_s: float = 0.0          # a decode worker admits between steps; this much later while it steps
+    hash_page_size: int = 0            # the router's block hashes (0: the first prefill/colocated pool's pages)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -79,6 +80,8 @@ class SimCluster:
             raise ValueError("a cluster needs a decode or colocated pool")
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("prefill and decode pools come together (or use a colocated pool)")
+        if not self.hash_page_size:
+            self.hash_page_size = next(p.limits.page_size for p in self.pools if p.role != "decode")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise ValueError(f"max_inflight must be >= 1 and max_queue >= 0, got {self.max_inflight}, {self.max_queue}")
 
@@ -99,13 +102,25 @@ class SimResult:
     wall_s: float = 0.0
 
 
+class _Load:
+    """What a worker's load report tells the router's policy: its free pages, now."""
+    __slots__ = ("worker",)
+    queued_tokens = 0  # the router's own count (WorkerView.inflight_tokens) is what it goes by
+
+    def __init__(self, worker: EngineSim) -> None:
+        self.worker = worker
+
+    @property
+    def free_pages(self) -> int:
+        return self.worker.free_pages
+
+
 @dataclass(slots=True, eq=False)
 class _View:
-    """The router's own counts for one worker (what the real router's WorkerView holds)."""
+    """One worker as the router sees it: the router's own `WorkerView` (what the placement
+    policies of router/policy.py read and the router updates), plus the simulator's queues."""
     worker: EngineSim
-    inflight: int = 0
-    inflight_tokens: int = 0
-    placed: int = 0
+    router: WorkerView
     local_threshold: int = 0
     reserve: int = 0
     page_queue: deque = field(default_factory=deque)
@@ -123,7 +138,8 @@ class Simulator:
         for pool in cluster.pools:
             for i in range(pool.replicas):
                 w = EngineSim(f"{pool.name}-{i}", pool.role, pool.latency, pool.limits, self._on_sampled)
-                v = _View(w, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
+                wv = WorkerView(w.name, pool.name, pool.role, load=_Load(w))
+                v = _View(w, wv, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
                 (self.prefills if pool.role == "prefill" else self.decodes).append(v)
                 self._order.append(v)
         if cluster.host_interference:
@@ -138,7 +154,9 @@ class Simulator:
                         o.busy or o.has_work for o in others)  # a worker with work steps back to back
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._policy = make_policy(cluster.policy, cluster.hash_page_size)
+        self._by_router = {id(v.router): v for v in self._order}
+        self._index_capacity = {id(v.router): max(v.worker.limits.num_pages, 1024) for v in self._order}
         self._events: list = []
         self._seq = itertools.count()
         self._inflight = 0
@@ -152,7 +170,7 @@ class Simulator:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         t_wall = time.perf_counter()
-        reqs = _to_sim_requests(workload)
+        reqs = _to_sim_requests(workload, self.cluster.hash_page_size)
         self._timeline = Timeline()
         self._state = {"in_flight": 0, "waiting": 0}
         self._client_cap = max_concurrency
@@ -218,9 +236,9 @@ class Simulator:
     def _admit(self, req: SimRequest, now: float) -> None:
         self._inflight += 1
         req.admitted = now
-        dview = self._pick_decode(req)
-        dview.inflight += 1
-        dview.placed += 1
+        dview = self._pick(self.decodes, req, self._policy.pick_decode)
+        dview.router.inflight += 1
+        dview.router.placed += 1
         dec = dview.worker
         req.decode_worker = dec.name
         if dec.role == "colocated" or (dview.local_threshold and
@@ -256,30 +274,18 @@ class Simulator:
                 dview.page_queue.append(req)
 
     def _dispatch_prefill(self, req: SimRequest, now: float) -> None:
-        pview = self._pick_prefill(req)
-        pview.inflight += 1
-        pview.placed += 1
-        pview.inflight_tokens += req.prompt_len
+        pview = self._pick(self.prefills, req, self._policy.pick_prefill)
+        pview.router.inflight += 1
+        pview.router.placed += 1
+        pview.router.inflight_tokens += req.prompt_len
         req.prefill_worker = pview.worker.name
         req.prefill_start = now
         req.dest_pages, req.pages = req.pages, 0
         pview.worker.add(req)
         self._kick(pview, now)
 
-    def _pick_decode(self, req: SimRequest) -> _View:
-        views = self.decodes
-        if self.cluster.policy == "round-robin":
-            return views[next(self._rr["decode"]) % len(views)]
-        return min(views, key=lambda v: (v.inflight, -v.worker.free_pages, v.placed))
-
-    def _pick_prefill(self, req: SimRequest) -> _View:
-        views = self.prefills
-        policy = self.cluster.policy
-        if policy == "round-robin":
-            return views[next(self._rr["prefill"]) % len(views)]
-        if policy == "least-loaded" or not req.block_keys:
-            return min(views, key=lambda v: (v.inflight_tokens, v.inflight, v.placed))
-        return max(views, key=lambda v: (v.worker.matched_tokens(req) - v.inflight_tokens, -v.inflight, -v.placed))
+    def _pick(self, views: list[_View], req: SimRequest, pick) -> _View:
+        return self._by_router[id(pick([v.router for v in views], req.page_keys))]
 
     # ---- workers --------------------------------------------------------------------------------
     def _on_sampled(self, worker: EngineSim, req: SimRequest, now: float) -> bool:
@@ -288,8 +294,9 @@ class Simulator:
             worker.remember_prompt(req)
         if worker.role == "prefill":
             view = self._view[worker]
-            view.inflight -= 1
-            view.inflight_tokens -= req.prompt_len
+            view.router.inflight -= 1
+            view.router.inflight_tokens -= req.prompt_len
+            view.router.remember(req.page_keys, self._index_capacity[id(view.router)])
             self._held[req.index] = req.pages
             req.pages = 0
             self._start_transfer(view, req, now)
@@ -334,7 +341,7 @@ class Simulator:
     # ---- the end of a request ----------------------------------------------------------------
     def _finish(self, req: SimRequest, now: float) -> None:
         dview = self._by_name[req.decode_worker]
-        dview.inflight -= 1
+        dview.router.inflight -= 1
         self._inflight -= 1
         self._close(req, now)
         if self._queue:
@@ -370,7 +377,7 @@ class Simulator:
         return rec
 
 
-def _to_sim_requests(workload: Workload) -> list[SimRequest]:
+def _to_sim_requests(workload: Workload, page_size: int) -> list[SimRequest]:
     """Workload requests -> SimRequests; prefix block ids become chained keys (a block's key
     names it and every block before it, as the engine's page hashes do)."""
     chain: dict[tuple, int] = {}
@@ -380,8 +387,13 @@ def _to_sim_requests(workload: Workload) -> list[SimRequest]:
         for b in w.prefix_blocks:
             prev = chain.setdefault((prev, b), len(chain))
             keys.append(prev)
-        out.append(SimRequest(w.index, w.arrival_s, w.prompt_len, w.output_len, tuple(keys), workload.block_tokens,
-                              scheduled=w.arrival_s))
+        r = SimRequest(w.index, w.arrival_s, w.prompt_len, w.output_len, tuple(keys), workload.block_tokens,
+                       scheduled=w.arrival_s)
+        if keys:  # the router's page hashes of the shared part (the rest never matches anything)
+            bt = workload.block_tokens
+            r.page_keys = tuple((keys[((j + 1) * page_size - 1) // bt], j)
+                                for j in range(len(keys) * bt // page_size))
+        out.append(r)
     return out
 
 
