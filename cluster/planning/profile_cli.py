@@ -24,14 +24,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.crosscheck_h100:
-        from cluster.planning.roofline import crosscheck_vidur, data_dir
+        from cluster.planning.roofline import calibrate_on_vidur, crosscheck_vidur, data_dir
 
-        for m in ("Llama-2-7b-hf", "Llama-2-70b-hf"):
-            path = data_dir() / "profiles" / "h100" / m / "mlp.csv"
-            if not path.is_file():
-                print(f"{path} not found (set PDCLUSTER_DATA)")
-                return 1
-            print(json.dumps({"model": m, **crosscheck_vidur(path)}))
+        paths = {m: data_dir() / "profiles" / "h100" / m / "mlp.csv" for m in ("Llama-2-7b-hf", "Llama-2-70b-hf")}
+        missing = [str(p) for p in paths.values() if not p.is_file()]
+        if missing:
+            print(f"{missing} not found (set PDCLUSTER_DATA)")
+            return 1
+        for m, path in paths.items():  # the old uncalibrated guess, then the defaults
+            print(json.dumps({"model": m, "params": "guess mfu 0.5 bw_eff 0.8 no launch",
+                              **crosscheck_vidur(path, mfu=0.5, bw_eff=0.8, launch_s=0.0)}))
+            print(json.dumps({"model": m, "params": "defaults", **crosscheck_vidur(path)}))
+        for train, test in (("Llama-2-7b-hf", "Llama-2-70b-hf"), ("Llama-2-70b-hf", "Llama-2-7b-hf")):
+            fit = calibrate_on_vidur([paths[train]])
+            held = crosscheck_vidur(paths[test], mfu=fit["mfu"], bw_eff=fit["bw_eff"], launch_s=fit["launch_s"])
+            print(json.dumps({"fit_on": train, **fit, "held_out": test, "small": held["small"], "large": held["large"]}))
         return 0
     from cluster.planning.profile import TRANSPORTS, profile_engine
 
