@@ -62,11 +62,26 @@ def _run(address: str, reqs: list[WorkloadRequest], concurrency: int | None):
     return records
 
 
-def measure_serving(address: str, vocab: int, grid: dict = FULL, seed: int = 1, workers: int = 1) -> dict:
+def fits(grid: dict, max_model_len: int) -> dict:
+    """`grid` less the shapes the served model cannot take: a prompt must be shorter than
+    max_model_len, and prompt plus generated tokens must fit in it."""
+    k = grid["decode_tokens"]
+    out = dict(grid, prefill=tuple((t, c) for t, c in grid["prefill"] if t + c + 1 < max_model_len),
+               ctx=tuple(L for L in grid["ctx"] if L + k < max_model_len))
+    if not out["prefill"] or not out["ctx"]:
+        raise ValueError(f"max_model_len={max_model_len} leaves no shape of the serving profile grid "
+                         f"(prefill {grid['prefill']}, decode contexts {grid['ctx']} + {k} tokens)")
+    return out
+
+
+def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = FULL, seed: int = 1,
+                    workers: int = 1) -> dict:
     """Points measured against the router at `address`: prefill (t, c, served TTFT s) and
     decode (b, context, served step s) per decode worker; with `workers` decode (or
-    colocated) workers, b streams per worker are sent at once and grouped by placement."""
+    colocated) workers, b streams per worker are sent at once and grouped by placement.
+    Shapes that do not fit `max_model_len` (the server's) are left out."""
     rng = random.Random(seed)
+    grid = fits(grid, max_model_len)
     prefill = []
     for t, c in tqdm(grid["prefill"], desc="served prefill", leave=False):
         for _ in range(grid["repeats"]):
@@ -95,7 +110,7 @@ def measure_serving(address: str, vocab: int, grid: dict = FULL, seed: int = 1, 
                     first_gaps.append((L, recs[0].itls_s[0]))
     interference = busy = None
     if grid.get("interference"):
-        interference = measure_interference(address, vocab, rng)
+        interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2))
         busy = measure_busy_ttft(address, vocab, rng)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
             "busy_ttft": busy}
@@ -111,12 +126,12 @@ def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int 
     return [r.ttft_s for r in _run(address, reqs, None)[1:]]
 
 
-def measure_interference(address: str, vocab: int, rng: random.Random) -> dict:
+def measure_interference(address: str, vocab: int, rng: random.Random, long_prompt: int = 1536) -> dict:
     """How much a worker's steps slow down while another worker on this machine is busy: one
     decode stream runs while long prompts are prefilled elsewhere (by the prefill worker, or,
     colocated, by the idle worker the router picks); the stream's gaps ending inside a
     prefill's window against those outside. Returns {inside_s, outside_s, factor}."""
-    k, long_prompt = 160, 1536
+    k = 160
     streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab))]
     longs = [WorkloadRequest(1 + j, 0.6 + 2.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab))
              for j in range(2)]
@@ -183,7 +198,7 @@ def profile_serving(model: str, dtype: str, engine_lm: LatencyModel, quick: bool
     address = cluster.start()
     try:
         info = asyncio.run(model_info(address))
-        points = measure_serving(address, info.vocab_size, QUICK if quick else FULL)
+        points = measure_serving(address, info.vocab_size, info.max_model_len, QUICK if quick else FULL)
     finally:
         cluster.stop()
     lm, info = calibrate(engine_lm, points)

@@ -122,7 +122,8 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
         cal = {}
         if calibrate:
             workers = case.decode
-            points = serving_profile.measure_serving(address, info.vocab_size, serving_profile.CALIBRATE,
+            points = serving_profile.measure_serving(address, info.vocab_size, info.max_model_len,
+                                                     serving_profile.CALIBRATE,
                                                      seed=1000 + salt, workers=workers)
             lm, cal = serving_profile.calibrate(lm, points)
             cal["points"] = points
