@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="rounds (one sample of every figure each); medians reported")
     parser.add_argument("--only", default="", help="comma-separated subset of memcpy,raw_nixl,raw_tcp,raw_grpc,"
-                                                   "nixl,grpc,layerwise (default: all)")
+                                                   "nixl,nixl_per_layer,grpc,layerwise (default: all)")
     parser.add_argument("--grpc-chunk-bytes", type=int, default=None, help="TransferConfig.chunk_bytes (grpc)")
     parser.add_argument("--grpc-inflight", type=int, default=None, help="TransferConfig.max_inflight_chunks (grpc)")
     parser.add_argument("--grpc-streams", type=int, default=None, help="TransferConfig.grpc_streams (grpc data lanes)")
@@ -43,28 +43,31 @@ class Paged:
     descriptor set-up CPU seconds, set-up wall seconds, seconds the sender really computed);
     set-up figures are those of the nixl receiver (0 for others)."""
 
-    def __init__(self, conn, transport: str, pool, tokens: int, config_kw: dict | None = None) -> None:
+    def __init__(self, conn, transport: str, pool, tokens: int, config_kw: dict | None = None,
+                 name: str | None = None) -> None:
         from kv_transfer.config import TransferConfig
         from kv_transfer.registry import create_receiver
 
         self.conn, self.transport, self.pool, self.tokens = conn, transport, pool, tokens
+        self.name = name or transport
         config_kw = config_kw or {}
         self.recv = create_receiver(transport, pool, TransferConfig(**config_kw))
-        conn.send(("sender", transport, config_kw))
+        conn.send(("sender", self.name, transport, config_kw))
         conn.recv()
         self._n = 0
+        self.last_reads = 0  # READs the last request took (nixl)
 
     def once(self, compute_s: float = 0.0, tokens: int | None = None) -> tuple[float, float, float, float]:
         tokens = tokens or self.tokens
-        rid = f"{self.transport}-{self._n}"
+        rid = f"{self.name}-{self._n}"
         self._n += 1
         pages = list(range(self.pool.layout.pages_for(tokens)))
         desc = self.recv.expect(rid, pages, tokens, deadline_s=300)
-        self.conn.send(("start", self.transport, rid, desc.to_bytes(), pages, tokens))
+        self.conn.send(("start", self.name, rid, desc.to_bytes(), pages, tokens))
         if (state := self.conn.recv()) != "WAITING":
             raise RuntimeError(f"{self.transport} sender start ended {state}")
         t0 = time.perf_counter()
-        self.conn.send(("send", self.transport, rid, compute_s))
+        self.conn.send(("send", self.name, rid, compute_s))
         status = self.recv.wait(rid, 300)
         elapsed = time.perf_counter() - t0
         if status.state.name != "DONE":
@@ -74,6 +77,8 @@ class Paged:
             raise RuntimeError(f"{self.transport} sender ended {sender_state}")
         self.recv.take(rid)
         setup = getattr(self.recv, "setup_s", {}).pop(rid, 0.0), getattr(self.recv, "setup_wall_s", {}).pop(rid, 0.0)
+        reads = getattr(self.recv, "reads", None)
+        self.last_reads = reads.reads_posted.pop(rid, 0) if reads is not None else 0
         return elapsed, setup[0], setup[1], computed
 
     def close(self) -> None:
@@ -175,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
             probes["raw_nixl"] = RawNixl(conn, nbytes)
         if want("nixl") or want("layerwise"):
             probes["nixl"] = Paged(conn, "nixl", pool, args.tokens)
+        if want("nixl_per_layer"):
+            # the same transport with one READ per layer however many layers are ready at once:
+            # what coalescing consecutive ready layers buys, in the same run
+            probes["nixl_per_layer"] = Paged(conn, "nixl", pool, args.tokens, {"nixl_coalesce_reads": False},
+                                             name="nixl_per_layer")
         if want("raw_tcp"):
             probes["raw_tcp"] = RawTcp(conn, nbytes)
         if want("raw_grpc"):
@@ -192,8 +202,11 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 elapsed, cpu, wall, _ = probe.once()
                 _add(samples, keep, **{f"{name}_s": elapsed})
+                if name == "nixl_per_layer":
+                    _add(samples, keep, descriptor_setup_per_layer_s=cpu)
                 if name == "nixl":
-                    _add(samples, keep, descriptor_setup_s=cpu, descriptor_setup_wall_s=wall)
+                    _add(samples, keep, descriptor_setup_s=cpu, descriptor_setup_wall_s=wall,
+                         nixl_reads_per_request=probe.last_reads)
                     if want("layerwise"):
                         # simulated compute per layer = one layer's transfer, measured just now
                         layer_s = elapsed / args.layers
@@ -223,7 +236,7 @@ def _add(samples: dict[str, list[float]], keep: bool, **values: float) -> None:
 
 def _figures(samples: dict[str, list[float]], nbytes: int, args: argparse.Namespace, repeats: int) -> dict:
     res: dict = {"tokens": args.tokens, "payload_bytes": nbytes, "layers": args.layers, "repeats": repeats}
-    for name in ("memcpy", "raw_nixl", "raw_tcp", "raw_grpc", "raw_grpc_lanes", "nixl", "grpc"):
+    for name in ("memcpy", "raw_nixl", "raw_tcp", "raw_grpc", "raw_grpc_lanes", "nixl", "nixl_per_layer", "grpc"):
         if f"{name}_s" in samples:
             res[f"{name}_gbps"] = nbytes / statistics.median(samples[f"{name}_s"]) / 1e9
     if "descriptor_setup_s" in samples:
@@ -231,8 +244,12 @@ def _figures(samples: dict[str, list[float]], nbytes: int, args: argparse.Namesp
         # prepared transfers); the wall figure also holds GIL waits and preemption
         res["descriptor_setup_ms"] = statistics.median(samples["descriptor_setup_s"]) * 1e3
         res["descriptor_setup_wall_ms"] = statistics.median(samples["descriptor_setup_wall_s"]) * 1e3
-    if "descriptor_setup_layerwise_s" in samples:  # the same, for requests whose layers came one by one
-        res["descriptor_setup_layerwise_ms"] = statistics.median(samples["descriptor_setup_layerwise_s"]) * 1e3
+    if "nixl_reads_per_request" in samples:  # READs one 32-layer request took (coalescing at work)
+        res["nixl_reads_per_request"] = statistics.median(samples["nixl_reads_per_request"])
+    for key in ("descriptor_setup_layerwise", "descriptor_setup_per_layer"):
+        # the same, for requests whose layers came one by one, and for one READ per layer
+        if f"{key}_s" in samples:
+            res[f"{key}_ms"] = statistics.median(samples[f"{key}_s"]) * 1e3
     if "layerwise_e2e_s" in samples:
         e2e, comp, layer = samples["layerwise_e2e_s"], samples["layerwise_compute_s"], samples["layer_transfer_s"]
         res["layer_transfer_ms"] = statistics.median(layer) * 1e3
@@ -242,7 +259,8 @@ def _figures(samples: dict[str, list[float]], nbytes: int, args: argparse.Namesp
         # layer's transfer measured in the same round: 1.0 = the transfer hid behind compute
         res["layerwise_overlap"] = statistics.median(e / (c + lt) for e, c, lt in zip(e2e, comp, layer))
     # ratios: the median over rounds of each round's pair, taken side by side
-    for key, num, den in (("nixl_vs_raw_nixl", "nixl", "raw_nixl"), ("grpc_vs_raw_tcp", "grpc", "raw_tcp"),
+    for key, num, den in (("nixl_vs_raw_nixl", "nixl", "raw_nixl"), ("nixl_per_layer_vs_raw_nixl", "nixl_per_layer", "raw_nixl"),
+                          ("grpc_vs_raw_tcp", "grpc", "raw_tcp"),
                           ("grpc_vs_raw_grpc", "grpc", "raw_grpc"), ("grpc_vs_raw_grpc_lanes", "grpc", "raw_grpc_lanes"),
                           ("raw_grpc_vs_raw_tcp", "raw_grpc", "raw_tcp"),
                           ("raw_grpc_lanes_vs_raw_tcp", "raw_grpc_lanes", "raw_tcp"), ("nixl_vs_memcpy", "nixl", "memcpy")):
@@ -257,11 +275,13 @@ def _print(res: dict) -> None:
     print(f"KV transfer, {res['tokens']} tokens, {res['layers']} layers, {res['payload_bytes'] / 2**20:.0f} MiB, "
           f"medians of {res['repeats']} rounds (ratios: median of per-round pairs); grpc lanes {res['grpc_streams']}")
     rows = [(key, "GB/s", "") for key in ("memcpy_gbps", "raw_nixl_gbps", "raw_tcp_gbps", "raw_grpc_gbps",
-                                          "raw_grpc_lanes_gbps", "nixl_gbps", "grpc_gbps")]
+                                          "raw_grpc_lanes_gbps", "nixl_gbps", "nixl_per_layer_gbps", "grpc_gbps")]
     rows += [("descriptor_setup_ms", "ms", "(target <= 0.5)"), ("descriptor_setup_wall_ms", "ms", ""),
-             ("descriptor_setup_layerwise_ms", "ms", ""),
+             ("descriptor_setup_layerwise_ms", "ms", ""), ("descriptor_setup_per_layer_ms", "ms", ""),
+             ("nixl_reads_per_request", "", ""),
              ("layer_transfer_ms", "ms", ""), ("layerwise_e2e_ms", "ms", ""),
              ("layerwise_overlap", "", "(target <= 1.15)"), ("nixl_vs_raw_nixl", "", "(target >= 0.9)"),
+             ("nixl_per_layer_vs_raw_nixl", "", ""),
              ("grpc_vs_raw_tcp", "", "(target >= 0.5)"), ("grpc_vs_raw_grpc", "", ""),
              ("grpc_vs_raw_grpc_lanes", "", ""), ("raw_grpc_vs_raw_tcp", "", ""),
              ("raw_grpc_lanes_vs_raw_tcp", "", ""), ("nixl_vs_memcpy", "", "")]

@@ -4,9 +4,9 @@ control only; the transfers themselves are the real transports). It is a separat
 so that sender and receiver compete for the CPU as two real workers would.
 
 Commands, one reply each:
-  ("sender", transport, config_kw)                     create a sender for `transport`
-  ("start", transport, rid, descriptor, pages, tokens) handshake + begin; replies the state name
-  ("send", transport, rid, compute_s)                  every layer (after `compute_s` of simulated
+  ("sender", name, transport, config_kw)               create sender `name` for `transport`
+  ("start", name, rid, descriptor, pages, tokens)      handshake + begin; replies the state name
+  ("send", name, rid, compute_s)                       every layer (after `compute_s` of simulated
                                                        compute each), then finish; replies
                                                        (final state name, seconds really computed)
   ("raw_nixl", nbytes)                                 register one contiguous buffer; replies
@@ -55,14 +55,14 @@ def child_main(conn, spec_kw: dict, layout_kw: dict, num_pages: int) -> None:
         if cmd == "exit":
             break
         if cmd == "sender":
-            senders[a[0]] = create_sender(a[0], pool, TransferConfig(**a[1]))
+            senders[a[0]] = create_sender(a[1], pool, TransferConfig(**a[2]))
             conn.send(True)
         elif cmd == "start":
-            transport, rid, desc, pages, tokens = a
-            conn.send(senders[transport].start(rid, [DestinationDescriptor.from_bytes(desc)], pages, tokens).state.name)
+            name, rid, desc, pages, tokens = a
+            conn.send(senders[name].start(rid, [DestinationDescriptor.from_bytes(desc)], pages, tokens).state.name)
         elif cmd == "send":
-            transport, rid, compute_s = a
-            s = senders[transport]
+            name, rid, compute_s = a
+            s = senders[name]
             computed = 0.0  # what the simulated compute really took: sleep overshoots on a busy box
             for layer in range(pool.layout.num_layers):
                 if compute_s:

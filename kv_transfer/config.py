@@ -19,6 +19,9 @@ class TransferConfig:
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
+    nixl_coalesce_reads: bool = True        # nixl: consecutive layers ready at one poll go as one READ
+    nixl_sender_poll_s: float = 0.002       # nixl: sender's poll period while requests are in flight (it
+                                            # only collects read confirmations; the receiver drives bytes)
     liveness_interval_s: float = 0.25       # nixl: probe peers of requests in flight this often (0 = off)
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
         default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
@@ -35,6 +38,8 @@ class TransferConfig:
                              "under grpc_max_message_bytes")
         if self.max_inflight_chunks < 1:
             raise ValueError("TransferConfig.max_inflight_chunks must be >= 1")
+        if not 0 < self.nixl_sender_poll_s <= 0.1:
+            raise ValueError(f"TransferConfig.nixl_sender_poll_s must be in (0, 0.1], got {self.nixl_sender_poll_s}")
         if self.liveness_interval_s < 0:
             raise ValueError(f"TransferConfig.liveness_interval_s must be >= 0, got {self.liveness_interval_s}")
         if not 1 <= self.grpc_streams <= 16:

@@ -93,20 +93,23 @@ class NixlPoolAgent:
         self._regs.clear()
         self.agent = None
 
-    def index_rows(self, num_pages: int, pages: np.ndarray, slot: int = 0) -> np.ndarray:
-        """int32 [layers, len(pages)]: row l indexes `pages` of layer l in a list built by
-        page_descs (local or a peer's, whose pool has `num_pages` pages). The result lives in
-        scratch buffer `slot`, valid until the next call with that slot: NIXL copies indices
-        when it makes a transfer, and fresh arrays cost page faults on every request."""
+    def index_rows(self, num_pages: int, pages: np.ndarray, slot: int = 0, first: int = 0,
+                   count: int | None = None) -> np.ndarray:
+        """int32 [count, len(pages)]: row i indexes `pages` of layer `first + i` (default: every
+        layer) in a list built by page_descs (local or a peer's, whose pool has `num_pages`
+        pages). The result lives in scratch buffer `slot`, valid until the next call with that
+        slot: NIXL copies indices when it makes a transfer, and fresh arrays cost page faults
+        on every request."""
         layers, n = self.pool.layout.num_layers, len(pages)
+        count = layers - first if count is None else count
         scratch = self._scratch.get(slot)
         if scratch is None or scratch.shape[1] < n:
             scratch = self._scratch[slot] = np.empty((layers, max(n, 64)), dtype=np.int32)
         key = (slot, num_pages)
         if key not in self._offsets:
             self._offsets[key] = np.arange(0, layers * num_pages, num_pages, dtype=np.int32)[:, None]
-        out = scratch[:, :n]
-        np.add(self._offsets[key], np.asarray(pages, dtype=np.int32)[None, :], out=out)
+        out = scratch[:count, :n]
+        np.add(self._offsets[key][first:first + count], np.asarray(pages, dtype=np.int32)[None, :], out=out)
         return out
 
     def pool_info(self) -> pb.NixlPoolInfo:

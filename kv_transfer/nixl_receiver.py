@@ -5,19 +5,17 @@ pool and the pool is never exposed to peers (they get connection info only).
 Lifecycle per request: expect() (BOOTSTRAPPING) -> sender Handshake over gRPC carrying
 its NIXL metadata and pool addresses (compat checked first; the sender's page list is
 prepared once per sender) -> Begin (dst page ids checked against the allocation, source
-pages recorded; WAITING) -> per layer a LayerReady notification -> one prepared READ
-for the layer (TRANSFERRING), whose completion notifies the sender (LayerRead) -> all
-layers read and the final notice in -> DONE. A failed read, an abort notice, a cancel, a
+pages recorded; WAITING) -> per layer a LayerReady notification -> a prepared READ for the
+layer, or one READ for consecutive layers ready at the same poll (TRANSFERRING), whose
+completion notifies the sender (LayerRead per layer) -> all layers read and the final
+notice in -> DONE. A failed read, an abort notice, a cancel, a
 sender found gone by the liveness probe (an empty notice every `liveness_interval_s`, which
 fails at once when the peer process has died) or the deadline -> FAILED: in-flight reads are cancelled (or waited out, up to a grace
 period), the sender is told, and the pages are released.
 
-Descriptor set-up: identical layouts read page-to-page (one descriptor per (layer, page)),
-and the request's per-layer prepared READs are all made in one pass on the progress thread
-(at its first tick after Begin), so a layer's arrival costs one `transfer()` call. The cost
-of making a prepared READ is mostly cache and TLB misses in NIXL's descriptor lists, which
-the multi-megabyte reads in between evict: made one at a time as layers arrived, each cost
-~30-60 us; made back to back, the whole set costs what a few of those did.
+Descriptor set-up and coalescing: identical layouts read page-to-page (one descriptor per
+(layer, page), merged by NIXL where adjacent); layers ready together before the first READ
+lands go as one READ, later ones by READs prepared in one pass; see nixl_reads.py.
 
 Layouts:
 Different page sizes, head ranges or dtypes read the sender's whole pages into a
@@ -29,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -40,6 +37,7 @@ from kv_transfer.handshake import answer
 from kv_transfer.layout import KVLayout, KVPool
 from kv_transfer.mapping import cast_view, is_homogeneous, write_token_run
 from kv_transfer.nixl_pool import NixlPoolAgent, PeerPool
+from kv_transfer.nixl_reads import PreparedReads, Read, Source, SourceKey
 from kv_transfer.receiver_book import ReleaseFn, TransferRejected
 from kv_transfer.service import serve
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
@@ -50,32 +48,6 @@ CANCEL_GRACE_S = 2.0
 PARKED_POLL_S = 0.02  # poll period with no request begun (deadlines are still reaped this often)
 
 
-@dataclass(slots=True)
-class _Source:
-    """One sender's pages of one request; for page-to-page reads, one prepared READ per layer
-    (None once posted), made in one pass by `_prepare`."""
-
-    src_pages: np.ndarray
-    dst_pages: np.ndarray
-    homogeneous: bool
-    handles: list | None = None
-
-
-@dataclass(slots=True)
-class _Read:
-    """One layer (or one staged group of a layer) being read from a sender."""
-
-    request_id: str
-    sender_id: str
-    layer: int
-    token_start: int
-    num_tokens: int
-    src_pages: np.ndarray | None = None    # staged reads: the sender pages of this group
-    last: bool = True                      # the read that confirms the layer to the sender
-    handle: object = None
-    cancel_at: float | None = None
-
-
 class NixlReceiver(KVReceiver):
     transport = "nixl"
 
@@ -84,22 +56,18 @@ class NixlReceiver(KVReceiver):
         self.nixl = NixlPoolAgent(self.receiver_id, pool, self.config.staging_bytes,
                                   self.config.ucx_net_devices)
         self._peers: dict[str, PeerPool] = {}                         # sender_id -> its pool
-        self._sources: dict[tuple[str, str], _Source] = {}            # (request, sender) -> its pages
-        self._to_prepare: deque[tuple[str, str]] = deque()            # sources begun, READs not yet made
-        self._queue: deque[_Read] = deque()                           # reads not yet posted
-        self._inflight: list[_Read] = []
-        self._staged: _Read | None = None                             # the staging buffer's one user
+        self.reads = PreparedReads(self.nixl)                         # (request, sender) -> its pages, READs
+        self._to_prepare: deque[SourceKey] = deque()                  # sources begun, READs not yet made
+        self._queue: deque[Read] = deque()                            # reads not yet posted
+        self._inflight: list[Read] = []
+        self._staged: Read | None = None                              # the staging buffer's one user
         self._cancelled: deque[str] = deque()
-        # per request (bench): index arrays + prepared-READ creation. setup_s is the progress
-        # thread's CPU time, so it counts the set-up work and not time spent descheduled or
-        # waiting for the GIL behind the service threads; setup_wall_s is the wall clock.
-        self.setup_s: dict[str, float] = {}
-        self.setup_wall_s: dict[str, float] = {}
+        self.setup_s, self.setup_wall_s = self.reads.setup_s, self.reads.setup_wall_s  # per request (bench)
         self._next_probe = 0.0
         self.book.before_release = self._on_failed
         self._server, self._port = serve(self, self.config)
         self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s, PARKED_POLL_S,
-                                active=lambda: bool(self._sources or self._inflight or self._cancelled))
+                                active=lambda: bool(self.reads.sources or self._inflight or self._cancelled))
 
     def _on_failed(self, request_id: str) -> None:
         self._cancelled.append(request_id)
@@ -145,8 +113,10 @@ class NixlReceiver(KVReceiver):
             return pb.Ack(ok=False, reason="num_tokens differs from the descriptor")
         n = peer.layout.pages_for(inc.num_tokens)
         key = (request.request_id, request.sender_id)
-        self._sources[key] = _Source(src[:n], inc.page_ids[:n], is_homogeneous(peer.layout, self.pool.layout))
-        self._to_prepare.append(key)
+        self.reads.sources[key] = Source(src[:n], inc.page_ids[:n], is_homogeneous(peer.layout, self.pool.layout),
+                                         self.pool.layout.num_layers)
+        if not self.config.nixl_coalesce_reads:
+            self._to_prepare.append(key)  # every layer its own READ, prepared now (nixl_reads.py)
         self._progress.wake()
         return pb.Ack(ok=True)
 
@@ -183,7 +153,7 @@ class NixlReceiver(KVReceiver):
         if not interval or now < self._next_probe:
             return
         self._next_probe = now + interval
-        keys = list(self._sources)
+        keys = list(self.reads.sources)
         for sender_id in {sid for _, sid in keys}:
             peer = self._peers.get(sender_id)
             if peer is not None and not self.nixl.probe(peer.agent_name):
@@ -207,49 +177,14 @@ class NixlReceiver(KVReceiver):
         except TransferRejected:
             pass  # logged and failed by the ledger
 
-    def _prepare(self, key: tuple[str, str]) -> None:
-        """Make every layer's prepared READ of a page-to-page source, back to back."""
-        source = self._sources.get(key)
-        if source is None or not source.homogeneous or source.handles is not None:
-            return
-        peer = self._peers[key[1]]
-        t0, c0 = time.perf_counter(), time.thread_time()
-        local = self.nixl.index_rows(self.pool.num_pages, source.dst_pages, slot=0)
-        remote = self.nixl.index_rows(peer.num_pages, source.src_pages, slot=1)
-        handles: list = []
+    def _prepare(self, key: SourceKey) -> None:
         try:
-            for layer in range(self.pool.layout.num_layers):
-                handles.append(self.nixl.agent.make_prepped_xfer("READ", self.nixl.local_pages, local[layer],
-                                                                 peer.dlist, remote[layer]))
+            self.reads.prepare(key, self._peers[key[1]])
         except Exception as exc:
-            self._release_handles(handles)
             self.book.fail(key[0], f"nixl could not prepare reads: {exc}")
-            return
-        source.handles = handles
-        self._count_setup(key[0], time.thread_time() - c0, time.perf_counter() - t0)
-
-    def _count_setup(self, request_id: str, cpu_s: float, wall_s: float) -> None:
-        if len(self.setup_s) > 4096:
-            self.setup_s.clear()
-            self.setup_wall_s.clear()
-        self.setup_s[request_id] = self.setup_s.get(request_id, 0.0) + cpu_s
-        self.setup_wall_s[request_id] = self.setup_wall_s.get(request_id, 0.0) + wall_s
-
-    def _release_handles(self, handles) -> None:
-        for handle in handles:
-            if handle is not None:
-                try:
-                    self.nixl.agent.release_xfer_handle(handle)
-                except Exception:
-                    pass
-
-    def _forget(self, key: tuple[str, str]) -> None:
-        source = self._sources.pop(key, None)
-        if source is not None and source.handles:
-            self._release_handles(source.handles)  # layers never read: their READs were never posted
 
     def _plan_layer(self, request_id: str, sender_id: str, layer: int) -> None:
-        source = self._sources.get((request_id, sender_id))
+        source = self.reads.sources.get((request_id, sender_id))
         inc = self.book.get(request_id)
         if source is None or inc is None:
             log.warning("nixl: layer %d for unknown request %s from %s dropped", layer, request_id, sender_id)
@@ -257,7 +192,7 @@ class NixlReceiver(KVReceiver):
         src = source.src_pages
         peer = self._peers[sender_id]
         if source.homogeneous:
-            self._queue.append(_Read(request_id, sender_id, layer, 0, inc.num_tokens))
+            self._queue.append(Read(request_id, sender_id, layer, 0, inc.num_tokens))
             return
         slots, _ = self.nixl.staging_slots(peer.layout.page_bytes)
         if slots == 0:
@@ -268,7 +203,7 @@ class NixlReceiver(KVReceiver):
         for a in range(0, len(src), slots):
             b = min(a + slots, len(src))
             start, end = a * ps, min(b * ps, inc.num_tokens)
-            self._queue.append(_Read(request_id, sender_id, layer, start, end - start, src[a:b], b == len(src)))
+            self._queue.append(Read(request_id, sender_id, layer, start, end - start, src[a:b], b == len(src)))
 
     def _post_reads(self) -> bool:
         posted = False
@@ -279,27 +214,30 @@ class NixlReceiver(KVReceiver):
             self._queue.popleft()
             if self.book.get(read.request_id) is None:
                 continue
+            while self.config.nixl_coalesce_reads and self._queue and self.reads.mergeable(read, self._queue[0]):
+                read.layers += 1  # the next layer of this source is ready too: one READ for both
+                self._queue.popleft()
             self._post(read)
             posted = True
         return posted
 
-    def _post(self, read: _Read) -> None:
-        rid = read.request_id
+    def _post(self, read: Read) -> None:
+        rid, counted = read.request_id, 0
         try:
-            inc = self.book.check_run(rid, read.sender_id, read.layer, read.token_start, read.num_tokens)
+            for layer in range(read.layer, read.layer + read.layers):
+                self.book.check_run(rid, read.sender_id, layer, read.token_start, read.num_tokens)
+                counted += 1
         except TransferRejected:
+            for _ in range(counted):
+                self.book.end_write(rid)
             return
         peer = self._peers[read.sender_id]
-        notif = pb.NixlNotice(layer_read=pb.LayerRead(request_id=rid, layer=read.layer)).SerializeToString() \
+        last = read.layer + read.layers - 1  # its notice rides on the READ; the others follow at landing
+        notif = pb.NixlNotice(layer_read=pb.LayerRead(request_id=rid, layer=last)).SerializeToString() \
             if read.last else b""
         try:
             if read.src_pages is None:
-                key = (rid, read.sender_id)
-                self._prepare(key)  # normally done already, at the first tick after Begin
-                handles = self._sources[key].handles
-                read.handle, handles[read.layer] = handles[read.layer], None
-                if read.handle is None:
-                    raise RuntimeError(f"layer {read.layer} has no prepared read (read twice?)")
+                read.handle = self.reads.take(read, peer)
             else:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 _, local_list = self.nixl.staging_slots(peer.layout.page_bytes)
@@ -307,14 +245,23 @@ class NixlReceiver(KVReceiver):
                 remote = peer.indices(read.layer, read.src_pages)
                 self._staged = read
                 read.handle = self.nixl.agent.make_prepped_xfer("READ", local_list, local, peer.dlist, remote)
-                self._count_setup(rid, time.thread_time() - c0, time.perf_counter() - t0)
+                self.reads.count_setup(rid, time.thread_time() - c0, time.perf_counter() - t0)
             if self.nixl.agent.transfer(read.handle, notif) == "ERR":
                 raise RuntimeError("transfer() returned ERR")
         except Exception as exc:
             self._drop(read)
-            self.book.abort_write(rid, f"nixl read of layer {read.layer} could not start: {exc}")
+            self._end(read, f"nixl read of layer {read.layer} could not start: {exc}")
             return
+        self.reads.count_post(rid)
         self._inflight.append(read)
+
+    def _end(self, read: Read, failure: str | None = None) -> None:
+        """A read stopped without landing: end its layers' in-flight writes (failing the
+        request with `failure`, if given); pages are released once no write is in flight."""
+        for _ in range(read.layers - (failure is not None)):
+            self.book.end_write(read.request_id)
+        if failure is not None:
+            self.book.abort_write(read.request_id, failure)
 
     def _poll_reads(self) -> bool:
         progressed = False
@@ -326,7 +273,7 @@ class NixlReceiver(KVReceiver):
                     log.error("nixl read for %s could not be cancelled within %.1fs; releasing its pages",
                               read.request_id, CANCEL_GRACE_S)
                     self._drop(read)
-                    self.book.end_write(read.request_id)
+                    self._end(read)
                 else:
                     still.append(read)
                 continue
@@ -335,14 +282,11 @@ class NixlReceiver(KVReceiver):
                 self._land(read)
             else:
                 self._drop(read)
-                if state == "DONE":
-                    self.book.end_write(read.request_id)
-                else:
-                    self.book.abort_write(read.request_id, f"nixl read of layer {read.layer} failed (peer gone?)")
+                self._end(read, None if state == "DONE" else f"nixl read of layer {read.layer} failed (peer gone?)")
         self._inflight = still
         return progressed
 
-    def _land(self, read: _Read) -> None:
+    def _land(self, read: Read) -> None:
         inc = self.book.get(read.request_id)
         if read.src_pages is not None and inc is not None:
             src_layout = self._peers[read.sender_id].layout
@@ -351,13 +295,21 @@ class NixlReceiver(KVReceiver):
             write_token_run(self.pool.layers[read.layer], inc.page_ids, self.pool.layout, read.token_start,
                             tokens[:, :read.num_tokens], src_layout)
         self._drop(read)
-        self.book.mark(read.request_id, read.sender_id, read.layer, read.token_start, read.num_tokens)
+        for layer in range(read.layer, read.layer + read.layers):
+            self.book.mark(read.request_id, read.sender_id, layer, read.token_start, read.num_tokens)
         status = self.book.status(read.request_id)
         if status is not None and status.state.terminal:
-            for key in [k for k in list(self._sources) if k[0] == read.request_id]:
-                self._forget(key)
+            for key in self.reads.keys_of(read.request_id):
+                self.reads.forget(key)
+        elif read.src_pages is None:
+            self._prepare((read.request_id, read.sender_id))  # the layers still to come (nixl_reads.py)
+        if read.layers > 1:  # the READ's own notice confirmed its last layer; confirm the others
+            agent = self._peers[read.sender_id].agent_name
+            for layer in range(read.layer, read.layer + read.layers - 1):
+                self.nixl.notify(agent, pb.NixlNotice(layer_read=pb.LayerRead(request_id=read.request_id,
+                                                                              layer=layer)))
 
-    def _drop(self, read: _Read) -> None:
+    def _drop(self, read: Read) -> None:
         if read.handle is not None:
             try:
                 self.nixl.agent.release_xfer_handle(read.handle)
@@ -373,9 +325,9 @@ class NixlReceiver(KVReceiver):
         for read in self._inflight:
             if read.request_id == request_id and read.cancel_at is None:
                 read.cancel_at = time.monotonic() + CANCEL_GRACE_S
-        senders = [sid for (rid, sid) in list(self._sources) if rid == request_id]
-        for sid in senders:
-            self._forget((request_id, sid))
+        for key in self.reads.keys_of(request_id):
+            sid = key[1]
+            self.reads.forget(key)
             status = self.book.status(request_id)
             reason = status.error if status is not None and status.error else "failed"
             self.nixl.notify(self._peers[sid].agent_name, pb.NixlNotice(abort=pb.Abort(request_id=request_id,
@@ -389,8 +341,8 @@ class NixlReceiver(KVReceiver):
         while (self._inflight or self._cancelled) and time.monotonic() < deadline:
             time.sleep(0.01)
         self._progress.stop()
-        for key in list(self._sources):
-            self._forget(key)
+        for key in list(self.reads.sources):
+            self.reads.forget(key)
         for peer in self._peers.values():
             try:
                 self.nixl.agent.release_dlist_handle(peer.dlist)

@@ -44,7 +44,7 @@ class NixlSender(KVSender):
         self._dest_agents: dict[str, list[str]] = {}  # request -> receiver agent per destination
         self._next_probe = 0.0
         self.book.on_end = self._on_end
-        self._progress = Ticker("kv-nixl-send", self._tick, self.config.poll_interval_s, PARKED_POLL_S,
+        self._progress = Ticker("kv-nixl-send", self._tick, self.config.nixl_sender_poll_s, PARKED_POLL_S,
                                 active=lambda: bool(self._dest_agents))
 
     def _handshake(self, endpoint: str) -> str:

@@ -90,22 +90,26 @@ def assert_no_leaks(*sides, children=()):
         assert c.call("state", name=name)["tracked"] == []
 
 
-CASES = {
-    "same-layout": (lay(16), lay(16)),
-    "pages-16-to-64": (lay(16), lay(64)),
-    "pages-64-to-16": (lay(64), lay(16)),
-    "float32-to-bfloat16": (lay(16), lay(16, dtype="bfloat16")),
-    "three-grpc-lanes": (lay(16), lay(64), {"grpc_streams": 3, "chunk_bytes": 16384}),  # layers striped, small chunks
+CASES = {  # (sender layout, receiver layout, TransferConfig of both sides, seconds between layers)
+    "same-layout": (lay(16), lay(16), {}, 0.0),
+    "pages-16-to-64": (lay(16), lay(64), {}, 0.0),
+    "pages-64-to-16": (lay(64), lay(16), {}, 0.0),
+    "float32-to-bfloat16": (lay(16), lay(16, dtype="bfloat16"), {}, 0.0),
+    "three-grpc-lanes": (lay(16), lay(64), {"grpc_streams": 3, "chunk_bytes": 16384}, 0.0),  # striped, small chunks
+    # nixl: layers one by one (READs made when posted, then the rest prepared in one pass), and
+    # every layer its own READ prepared at Begin (no coalescing)
+    "layers-one-by-one": (lay(16), lay(16), {}, 0.05),
+    "one-read-per-layer": (lay(16), lay(16), {"nixl_coalesce_reads": False}, 0.0),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pages_arrive_exact(transport, child, case):
-    src_l, dst_l, *cfg = CASES[case]
+    src_l, dst_l, cfg, delay_s = CASES[case]
     name = f"s-{case}"
     child.call("sender", name=name, transport=transport, spec=SPEC, layout=src_l, num_pages=NUM_PAGES, seed=11,
-               config=cfg[0] if cfg else None)
-    recv = Side("receiver", transport, dst_l)
+               config=cfg or None)
+    recv = Side("receiver", transport, dst_l, **cfg)
     try:
         rid = f"req-{case}"
         dst_pages, src_pages = pages(need(dst_l), 1), pages(need(src_l), 2)
@@ -113,7 +117,8 @@ def test_pages_arrive_exact(transport, child, case):
         start = child.call("start", name=name, request_id=rid, descriptors=[desc_b64(desc)], src_pages=src_pages,
                            num_tokens=TOKENS)
         assert start["state"] == "WAITING", start
-        child.call("send", name=name, request_id=rid, layers=list(range(6)), first_token=42, prompt_len=TOKENS)
+        child.call("send", name=name, request_id=rid, layers=list(range(6)), delay_s=delay_s, first_token=42,
+                   prompt_len=TOKENS)
         status = recv.obj.wait(rid, 20)
         assert status.state.name == "DONE", status.error
         assert status.first_token == 42 and status.prompt_len == TOKENS
