@@ -29,12 +29,11 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, quick: bool = False) -> dict:
+def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, grid: dict = FULL) -> dict:
     """Per transport: the fit {coef: (x0 s, bytes/s), r2, ...} and the raw (bytes, seconds) points
     (every repeat), for this model's KV layout moved between two processes here."""
     from bench.kv_bench import measure_transfer
 
-    grid = QUICK if quick else FULL
     spec_kw = dict(model_id="profile", num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     layout_kw = dict(num_layers=cfg.num_layers, page_size=page_size, head_start=0, num_heads=cfg.num_kv_heads,
                      head_dim=cfg.head_dim, dtype=dtype)
@@ -46,6 +45,20 @@ def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, qui
     return out
 
 
+def fit_grid(grid: dict, max_model_len: int) -> dict:
+    """`grid` less the shapes a model of `max_model_len` positions cannot take, with the prefill
+    shapes spelled out as `prefill_shapes` [(new tokens, cached prefix)]: a prompt plus its
+    prefix, or a decode context plus the timed steps, must fit (64 positions to spare)."""
+    shapes = [(t, c) for c in grid["cached"] for t in grid["prefill_tokens"] if t + c + 80 <= max_model_len]
+    budget = max((t + c for t, c in shapes), default=0) + 16  # the engine's step budget and, +64, its context
+    out = dict(grid, prefill_shapes=shapes, budget=budget,
+               ctx_per_seq=tuple(L for L in grid["ctx_per_seq"] if L + grid["decode_steps"] + 1 < budget + 64),
+               transfer_tokens=tuple(t for t in grid["transfer_tokens"] if t <= max_model_len))
+    if not shapes or not out["ctx_per_seq"] or not out["transfer_tokens"]:
+        raise ValueError(f"max_model_len={max_model_len} leaves no shape of the profile grid")
+    return out
+
+
 def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0,
                    transports=TRANSPORTS, page_size: int = 16, serving: bool = False) -> dict:
     """With `serving`, decode steps and the first token's delay are then measured through a
@@ -54,12 +67,14 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     from engine.core import EngineCore
 
     from engine.builtin import PRESETS, ensure_builtin
+    from engine.config import ModelConfig
 
     torch.set_num_threads(1)
     # a preset name is resolved explicitly: "bench" is also a folder in the repo root
     model_dir = ensure_builtin(preset=model) if model in PRESETS else model
-    grid = QUICK if quick else FULL
-    budget = max(grid["prefill_tokens"]) + max(grid["cached"]) + 16
+    limit = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+    grid = fit_grid(QUICK if quick else FULL, limit)
+    shapes, budget = grid["prefill_shapes"], grid["budget"]
     # detokenize as the decode worker does (it streams text): part of every decode step
     eng = EngineCore(model_dir, dtype=dtype, detokenize=True, max_num_batched_tokens=budget,
                      max_model_len=budget + 64, max_num_seqs=max(grid["batch"]), page_size=page_size)
@@ -70,7 +85,6 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     while eng.has_unfinished_requests():
         eng.step()
     prefill, decode = [], []
-    shapes = [(t, c) for c in grid["cached"] for t in grid["prefill_tokens"]]
     for t, c in tqdm(shapes, desc="prefill", leave=False):
         prefix = _prompt(rng, c, vocab)
         if c:
@@ -106,7 +120,7 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
                 eng.abort_request(rid)
     fp, fd = fit_prefill(prefill), fit_decode(decode)
     kv = eng.config.kv_bytes_per_token * torch.finfo(getattr(torch, dtype)).bits // 8
-    transfer = profile_transfer(eng.config, dtype, page_size, transports, quick) if transports else {}
+    transfer = profile_transfer(eng.config, dtype, page_size, transports, grid) if transports else {}
     transfers = {k: tuple(v["fit"]["coef"]) for k, v in transfer.items()}
     x0, bw = transfers.get("nixl", next(iter(transfers.values()), (0.0, float("inf"))))
     lm = LatencyModel(prefill=fp.coef, decode=fd.coef, transfer_overhead_s=x0, transfer_bytes_per_s=bw,

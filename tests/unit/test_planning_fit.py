@@ -41,3 +41,17 @@ def test_quick_profile_of_tiny_model_is_loadable(tmp_path):
     assert 0 < lm.transfer_time(1 << 20, "nixl") < 1.0
     assert lm.kv_bytes_per_token == 2 * 4 * 2 * 32 * 2  # tiny: 4 layers, 2 kv heads, head_dim 32, bf16
     assert lm.prefill_time(512) > 1.5 * lm.prefill_time(16) > 0  # prefill time grows with tokens
+
+
+def test_profile_grid_keeps_only_shapes_the_model_can_take():
+    """A 2,048-position model (the built-in small preset) is profiled without its 2,048-token
+    prompts or prompts whose cached prefix would overflow; 8,192 positions keep the whole grid."""
+    from cluster.planning.profile import FULL, fit_grid
+
+    g = fit_grid(FULL, 2048)
+    assert g["prefill_shapes"] and all(t + c + 80 <= 2048 for t, c in g["prefill_shapes"])
+    assert (1024, 512) in g["prefill_shapes"] and (2048, 0) not in g["prefill_shapes"]
+    assert g["budget"] + 64 <= 2048 and max(g["ctx_per_seq"]) < g["budget"] + 64
+    assert len(fit_grid(FULL, 8192)["prefill_shapes"]) == len(FULL["prefill_tokens"]) * len(FULL["cached"])
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        fit_grid(FULL, 64)
