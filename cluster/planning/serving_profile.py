@@ -158,13 +158,16 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
     long = [(ttft - delay) / engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t > SHORT_PROMPT]
     scale = statistics.median(long) if long else 1.0
     prefill = tuple(p * scale for p in engine_lm.prefill)
-    fresh = [(t, c, ttft - delay) for t, c, ttft in points["prefill"] if c == 0]
-    if len({t for t, _, _ in fresh}) >= 4:
+    # long fresh prompts only: short ones gave the delay, and what is left of them after it
+    # is a few ms of noise, near zero or below, that a fit weighted by 1/y follows to p0=p1=p2=0
+    fresh = [(t, c, ttft - delay) for t, c, ttft in points["prefill"] if c == 0 and t > SHORT_PROMPT]
+    if len({t for t, _, _ in fresh}) >= 3:
         # enough prompt lengths to refit p0, p1, p2 on the served steps themselves (the engine
         # profile's quadratic term, fitted up to ~1k tokens, overshot 2k-token prompts by ~25 %);
         # the cached-context term keeps the engine's, scaled
         fp = fit_prefill(fresh)  # no cached context among them: its column is 0, its term comes from above
-        prefill = fp.coef[:3] + (prefill[3],)
+        if fp.coef[1] > 0:
+            prefill = fp.coef[:3] + (prefill[3],)
     fd = fit_decode(points["decode"])
     lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
     handoffs = [gap - lm.decode_time(1, L + 1) - lm.transfer_time(L * lm.kv_bytes_per_token) / max(lm.num_layers, 1)
