@@ -48,8 +48,15 @@ def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, gri
 def fit_grid(grid: dict, max_model_len: int) -> dict:
     """`grid` less the shapes a model of `max_model_len` positions cannot take, with the prefill
     shapes spelled out as `prefill_shapes` [(new tokens, cached prefix)]: a prompt plus its
-    prefix, or a decode context plus the timed steps, must fit (64 positions to spare)."""
-    shapes = [(t, c) for c in grid["cached"] for t in grid["prefill_tokens"] if t + c + 80 <= max_model_len]
+    prefix, or a decode context plus the timed steps, must fit (64 positions to spare). Where
+    prompt lengths were dropped, the longest that fits is timed instead, so the fit reaches
+    the context's end (a quadratic fitted to 1,024 tokens overshot 2,000-token prompts by 50 %)."""
+    shapes = []
+    for c in grid["cached"]:
+        fit = [t for t in grid["prefill_tokens"] if t + c + 80 <= max_model_len]
+        if len(fit) < len(grid["prefill_tokens"]) and max_model_len - 80 - c > max(fit, default=0):
+            fit.append(max_model_len - 80 - c)  # the longest prompt the context takes: no extrapolation
+        shapes += [(t, c) for t in fit]
     budget = max((t + c for t, c in shapes), default=0) + 16  # the engine's step budget and, +64, its context
     out = dict(grid, prefill_shapes=shapes, budget=budget,
                ctx_per_seq=tuple(L for L in grid["ctx_per_seq"] if L + grid["decode_steps"] + 1 < budget + 64),

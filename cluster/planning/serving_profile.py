@@ -64,10 +64,14 @@ def _run(address: str, reqs: list[WorkloadRequest], concurrency: int | None):
 
 def fits(grid: dict, max_model_len: int) -> dict:
     """`grid` less the shapes the served model cannot take: a prompt must be shorter than
-    max_model_len, and prompt plus generated tokens must fit in it."""
+    max_model_len, and prompt plus generated tokens must fit in it. Where long prompts were
+    dropped, the longest that fits is measured instead (the workload's long prompts are there)."""
     k = grid["decode_tokens"]
-    out = dict(grid, prefill=tuple((t, c) for t, c in grid["prefill"] if t + c + 1 < max_model_len),
-               ctx=tuple(L for L in grid["ctx"] if L + k < max_model_len))
+    prefill = [(t, c) for t, c in grid["prefill"] if t + c + 1 < max_model_len]
+    longest = max_model_len - 64
+    if len(prefill) < len(grid["prefill"]) and longest > max((t for t, c in prefill if c == 0), default=0):
+        prefill.append((longest, 0))  # the longest prompt the context takes, in place of those dropped
+    out = dict(grid, prefill=tuple(prefill), ctx=tuple(L for L in grid["ctx"] if L + k < max_model_len))
     if not out["prefill"] or not out["ctx"]:
         raise ValueError(f"max_model_len={max_model_len} leaves no shape of the serving profile grid "
                          f"(prefill {grid['prefill']}, decode contexts {grid['ctx']} + {k} tokens)")
@@ -113,7 +117,7 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
         interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2))
         busy = measure_busy_ttft(address, vocab, rng)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
-            "busy_ttft": busy}
+            "busy_ttft": busy, "decode_workers": workers}
 
 
 def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int = 16) -> list[float]:
@@ -168,12 +172,16 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
         fp = fit_prefill(fresh)  # no cached context among them: its column is 0, its term comes from above
         if fp.coef[1] > 0:
             prefill = fp.coef[:3] + (prefill[3],)
-    fd = fit_decode(points["decode"])
+    interference = (points.get("interference") or {}).get("factor", 0.0)
+    # with several workers, their decode points were timed with all of them stepping at once:
+    # take out the slow-down they caused each other, which the simulator puts back only while
+    # the other workers are busy (simulator.host_interference)
+    busy_others = max(points.get("decode_workers", 1) - 1, 0)
+    fd = fit_decode([(b, ctx, y / (1.0 + interference * busy_others)) for b, ctx, y in points["decode"]])
     lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
     handoffs = [gap - lm.decode_time(1, L + 1) - lm.transfer_time(L * lm.kv_bytes_per_token) / max(lm.num_layers, 1)
                 for L, gap in points.get("first_gaps", ())]
     handoff = max(statistics.median(handoffs), 0.0) if handoffs else 0.0
-    interference = (points.get("interference") or {}).get("factor", 0.0)
     busy = points.get("busy_ttft") or []
     # over an idle worker's TTFT, less the wait for the current step to end (half a step on average)
     idle = [ttft for t, c, ttft in points["prefill"] if t == 16 and c == 0]

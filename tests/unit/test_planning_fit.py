@@ -45,12 +45,14 @@ def test_quick_profile_of_tiny_model_is_loadable(tmp_path):
 
 def test_profile_grid_keeps_only_shapes_the_model_can_take():
     """A 2,048-position model (the built-in small preset) is profiled without its 2,048-token
-    prompts or prompts whose cached prefix would overflow; 8,192 positions keep the whole grid."""
+    prompts or prompts whose cached prefix would overflow, but up to the longest prompt it takes;
+    8,192 positions keep the whole grid."""
     from cluster.planning.profile import FULL, fit_grid
 
     g = fit_grid(FULL, 2048)
     assert g["prefill_shapes"] and all(t + c + 80 <= 2048 for t, c in g["prefill_shapes"])
     assert (1024, 512) in g["prefill_shapes"] and (2048, 0) not in g["prefill_shapes"]
+    assert (1968, 0) in g["prefill_shapes"]  # the longest prompt the context takes, timed instead
     assert g["budget"] + 64 <= 2048 and max(g["ctx_per_seq"]) < g["budget"] + 64
     assert len(fit_grid(FULL, 8192)["prefill_shapes"]) == len(FULL["prefill_tokens"]) * len(FULL["cached"])
     with pytest.raises(ValueError, match="max_model_len=64"):
