@@ -6,6 +6,7 @@ scheduler and runner with their own hooks (transfer per layer, KV arriving from 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,16 @@ from engine.request import Request
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_has_half_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16/float16 natively (AVX512-BF16 or AMX tiles)."""
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(c() for c in checks if c is not None) or not any(checks)
+
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
 
@@ -65,6 +76,10 @@ class EngineCore:
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_half_matmul():
+            log.warning("%s on this CPU (%s; no AVX512-BF16 or AMX) runs matmuls in a slow fallback, here "
+                        "often 100x slower than float32: use dtype=float32", str(self.dtype).removeprefix("torch."),
+                        torch.backends.cpu.get_cpu_capability())
         _check_positive(page_size=page_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if not 1 < self.max_model_len <= cfg.max_position_embeddings:
