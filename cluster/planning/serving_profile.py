@@ -34,7 +34,7 @@ from tqdm import tqdm
 from dataclasses import replace
 
 from bench.serve.workloads import Workload, WorkloadRequest
-from cluster.planning.fit import fit_decode, fit_prefill
+from cluster.planning.fit import fit_decode
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
@@ -134,11 +134,14 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
     """How much a worker's steps slow down while another worker on this machine is busy: one
     decode stream runs while long prompts are prefilled elsewhere (by the prefill worker, or,
     colocated, by the idle worker the router picks); the stream's gaps ending inside a
-    prefill's window against those outside. Returns {inside_s, outside_s, factor}."""
-    k = 160
+    prefill's window against those outside. Returns {inside_s, outside_s, factor, gaps_inside}.
+    The stream outlasts every window even at 10 ms a step (it was 160 tokens against windows
+    2.2 s apart: on a fast model the second window came after the stream had ended, and the
+    factor rested on one prefill, 0.0 to 0.36 between runs)."""
+    k = 400
     streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab))]
-    longs = [WorkloadRequest(1 + j, 0.6 + 2.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab))
-             for j in range(2)]
+    longs = [WorkloadRequest(1 + j, 0.5 + 1.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab))
+             for j in range(3)]
     records = _run(address, streams + longs, None)
     windows = [(r.start_s, r.start_s + r.ttft_s) for r in records[1:]]
     inside, outside = [], []
@@ -149,29 +152,22 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
     if not inside or not outside:
         return {"inside_s": None, "outside_s": None, "factor": 0.0}
     mi, mo = statistics.fmean(inside), statistics.fmean(outside)
-    return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0)}
+    return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0), "gaps_inside": len(inside)}
 
 
 def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict]:
     """The engine profile made to match the served points: decode refitted on the served
     steps; the first token's fixed delay from short prompts (served TTFT over the engine's
     prefill step); prefill scaled by how much slower (or faster) longer served prefills ran
-    than the engine profile says, which absorbs drift of a shared machine since profiling."""
+    than the engine profile says, which absorbs drift of a shared machine since profiling.
+    Prefill keeps the engine fit's shape: the engine grid spans the context (profile.fit_grid),
+    while a refit on a few served lengths followed their noise (refitted on long prompts, its
+    p0 put 2x on short prompts' TTFT; with short ones, the fit collapsed to zero)."""
     short = [ttft - engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t <= SHORT_PROMPT]
     delay = max(statistics.median(short), 0.0) if short else 0.0
     long = [(ttft - delay) / engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t > SHORT_PROMPT]
     scale = statistics.median(long) if long else 1.0
     prefill = tuple(p * scale for p in engine_lm.prefill)
-    # long fresh prompts only: short ones gave the delay, and what is left of them after it
-    # is a few ms of noise, near zero or below, that a fit weighted by 1/y follows to p0=p1=p2=0
-    fresh = [(t, c, ttft - delay) for t, c, ttft in points["prefill"] if c == 0 and t > SHORT_PROMPT]
-    if len({t for t, _, _ in fresh}) >= 3:
-        # enough prompt lengths to refit p0, p1, p2 on the served steps themselves (the engine
-        # profile's quadratic term, fitted up to ~1k tokens, overshot 2k-token prompts by ~25 %);
-        # the cached-context term keeps the engine's, scaled
-        fp = fit_prefill(fresh)  # no cached context among them: its column is 0, its term comes from above
-        if fp.coef[1] > 0:
-            prefill = fp.coef[:3] + (prefill[3],)
     interference = (points.get("interference") or {}).get("factor", 0.0)
     # with several workers, their decode points were timed with all of them stepping at once:
     # take out the slow-down they caused each other, which the simulator puts back only while
