@@ -41,7 +41,7 @@ FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512
         "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60, "interference": True}
 # what `plan validate` measures on each case's own cluster just before running it
 CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2,
-             "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 45, "interference": True}
+             "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 90, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
          "decode_tokens": 12}
 SHORT_PROMPT = 128   # served TTFTs of prompts up to this long give the first token's fixed delay
@@ -169,11 +169,7 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
     scale = statistics.median(long) if long else 1.0
     prefill = tuple(p * scale for p in engine_lm.prefill)
     interference = (points.get("interference") or {}).get("factor", 0.0)
-    # with several workers, their decode points were timed with all of them stepping at once:
-    # take out the slow-down they caused each other, which the simulator puts back only while
-    # the other workers are busy (simulator.host_interference)
-    busy_others = max(points.get("decode_workers", 1) - 1, 0)
-    fd = fit_decode([(b, ctx, y / (1.0 + interference * busy_others)) for b, ctx, y in points["decode"]])
+    fd = fit_decode(points["decode"])
     lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
     handoffs = [gap - lm.decode_time(1, L + 1) - lm.transfer_time(L * lm.kv_bytes_per_token) / max(lm.num_layers, 1)
                 for L, gap in points.get("first_gaps", ())]

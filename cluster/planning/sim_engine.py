@@ -20,8 +20,8 @@ costing the pages it covers, plus one entry for each request's unshared pages, c
 pages not held by running requests. Pages a request reuses still count against the pool
 (as in the engine, a hit saves compute, not memory).
 
-The step time is the pool's `LatencyModel.step_time`, times `slowdown()` (workers sharing a
-host's cores slow each other down). What the worker does with a request
+The step time is the pool's `LatencyModel.step_time`, times `slowdown()` (a neighbour on the
+same host's cores prefilling slows this worker down). What the worker does with a request
 that reached its first token or finished is its owner's business (`on_sampled`).
 """
 from __future__ import annotations
@@ -122,6 +122,7 @@ class _Step:
     start: float
     end: float
     scheduled: list  # (request, new tokens)
+    prefills: bool = False  # any prompt tokens in it (what slows a neighbour down)
 
 
 class EngineSim:
@@ -156,6 +157,10 @@ class EngineSim:
     @property
     def busy(self) -> bool:
         return self.step is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.step is not None and self.step.prefills
 
     @property
     def has_work(self) -> bool:
@@ -279,7 +284,7 @@ class EngineSim:
             return None
         self.cache.shrink(self.free_pages)
         dur = self.latency.step_time(chunks, num_dec, ctx) * self.slowdown()
-        self.step = _Step(now, now + dur, chosen)
+        self.step = _Step(now, now + dur, chosen, bool(chunks))
         self.steps += 1
         self.busy_s += dur
         self.batched_tokens += lim.max_num_batched_tokens - budget

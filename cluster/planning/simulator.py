@@ -68,7 +68,7 @@ class SimCluster:
     transport: str = "nixl"
     first_token_delay_s: float = 0.0   # router and network time of every chunk on its way to the client
     kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
-    host_interference: float = 0.0     # step time x (1 + this x other busy workers on the same host)
+    host_interference: float = 0.0     # step time x (1 + this x other workers prefilling on the same host)
     busy_admit_s: float = 0.0          # a decode worker admits between steps; this much later while it steps
     hash_page_size: int = 0            # the router's block hashes (0: the first prefill/colocated pool's pages)
 
@@ -150,8 +150,10 @@ class Simulator:
             for workers in by_host.values():
                 for w in workers:
                     others = [o for o in workers if o is not w]
+                    # what the calibration measures: a neighbour's prefill slows this worker's
+                    # steps; neighbours that only decode were not seen to (plan validate)
                     w.slowdown = lambda others=others: 1.0 + cluster.host_interference * sum(
-                        o.busy or o.has_work for o in others)  # a worker with work steps back to back
+                        o.prefilling for o in others)
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
         self._policy = make_policy(cluster.policy, cluster.hash_page_size)

@@ -165,10 +165,11 @@ def test_plan_simulate_cli_rejects_bad_input(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_workers_sharing_a_host_slow_each_other_down_only_while_both_are_busy():
+def test_a_prefill_slows_a_worker_sharing_its_host_only_while_it_runs():
     """While a prefill runs on another worker of the same host, a decode stream's steps take
-    (1 + interference) x longer, and so does the prefill (it started while the stream was
-    busy); before and after, neither is slowed. A KV hand-off delays the second token."""
+    (1 + interference) x longer; the prefill itself is not slowed by a neighbour that only
+    decodes (what plan validate's calibration measures, and what the real runs showed);
+    before and after, nothing is slowed. A KV hand-off delays the second token."""
     lm = LatencyModel(prefill=(0.0, 0.001, 0.0, 0.0), decode=(0.01, 0.0, 0.0), kv_bytes_per_token=1,
                       transfer_bytes_per_s=1e12)
     pools = [SimPool("p", "prefill", 1, lm, BIG, host="h"), SimPool("d", "decode", 1, lm, BIG, host="h")]
@@ -176,8 +177,8 @@ def test_workers_sharing_a_host_slow_each_other_down_only_while_both_are_busy():
     alone = simulate(SimCluster(pools), wl(reqs)).records
     shared = simulate(SimCluster(pools, host_interference=0.5, kv_handoff_s=0.005), wl(reqs)).records
     assert max(alone[0].itls_s[1:]) == pytest.approx(0.01) and alone[1].ttft_s == pytest.approx(1.0)
-    assert shared[1].ttft_s == pytest.approx(1.5, abs=0.011)
+    assert shared[1].ttft_s == pytest.approx(1.0, abs=0.011)
     slow = [g for g in shared[0].itls_s[1:] if g > 0.0101]
     assert all(g == pytest.approx(0.015) for g in slow)
-    assert len(slow) == pytest.approx(1.5 / 0.015, abs=2)  # the prefill's 1.5 s, no more
+    assert len(slow) == pytest.approx(1.0 / 0.015, abs=2)  # the prefill's 1 s, no more
     assert shared[0].itls_s[0] == pytest.approx(alone[0].itls_s[0] + 0.005)
