@@ -29,12 +29,14 @@ import asyncio
 import random
 import statistics
 
+import numpy as np
+
 from tqdm import tqdm
 
 from dataclasses import replace
 
 from bench.serve.workloads import Workload, WorkloadRequest
-from cluster.planning.fit import fit_decode
+from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
@@ -87,13 +89,18 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     rng = random.Random(seed)
     grid = fits(grid, max_model_len)
     prefill = []
-    for t, c in tqdm(grid["prefill"], desc="served prefill", leave=False):
-        for _ in range(grid["repeats"]):
-            prefix = _ids(rng, c, vocab)
-            if c:
-                _run(address, [WorkloadRequest(0, 0.0, c, 1, prompt_token_ids=prefix)], 1)
-            ids = prefix + _ids(rng, t, vocab)
-            rec = _run(address, [WorkloadRequest(0, 0.0, len(ids), 1, prompt_token_ids=ids)], 1)[0]
+    # one untimed round first, then the timed rounds shape after shape: a freshly started
+    # cluster is still settling (in one calibration its 1,984-token prompts took 940 ms twice in
+    # a row, the same prompts of the workload 640 ms minutes later), and repeats taken in rounds
+    # rather than back to back spread a transient over every shape instead of one
+    rounds = [(r, t, c) for r in range(-1, grid["repeats"]) for t, c in grid["prefill"]]
+    for r, t, c in tqdm(rounds, desc="served prefill", leave=False):
+        prefix = _ids(rng, c, vocab)
+        if c:
+            _run(address, [WorkloadRequest(0, 0.0, c, 1, prompt_token_ids=prefix)], 1)
+        ids = prefix + _ids(rng, t, vocab)
+        rec = _run(address, [WorkloadRequest(0, 0.0, len(ids), 1, prompt_token_ids=ids)], 1)[0]
+        if r >= 0:
             prefill.append((t, c, rec.ttft_s))
     decode, first_gaps = [], []
     k = grid["decode_tokens"]
@@ -155,19 +162,38 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
     return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0), "gaps_inside": len(inside)}
 
 
+def _reshaped_prefill(engine_lm: LatencyModel, curve: list[tuple[int, float]], p3: float) -> tuple:
+    """p0..p2 refitted to the engine's prefill curve times the served/engine ratio measured at
+    each served length (1 up to SHORT_PROMPT, interpolated in log length, held flat past the
+    longest).
+    The ratio drifts with length (on the AVX2 VM: ~1.3 at 512 tokens, ~1.0 at 1,024, ~0.75 at
+    1,984, in every calibration), which one scale cannot follow; the refit sees a smooth curve,
+    never the raw samples (refits on those followed their noise, or collapsed to zero)."""
+    lengths = np.geomspace(16, curve[-1][0], 24)  # below SHORT_PROMPT np.interp holds the ratio at 1
+    ratio = np.interp(np.log(lengths), np.log([t for t, _ in curve]), [r for _, r in curve])
+    target = [(float(t), 0.0, engine_lm.prefill_time(float(t), 0) * r) for t, r in zip(lengths, ratio)]
+    return fit_prefill(target).coef[:3] + (p3,)
+
+
 def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict]:
     """The engine profile made to match the served points: decode refitted on the served
     steps; the first token's fixed delay from short prompts (served TTFT over the engine's
     prefill step); prefill scaled by how much slower (or faster) longer served prefills ran
     than the engine profile says, which absorbs drift of a shared machine since profiling.
-    Prefill keeps the engine fit's shape: the engine grid spans the context (profile.fit_grid),
-    while a refit on a few served lengths followed their noise (refitted on long prompts, its
-    p0 put 2x on short prompts' TTFT; with short ones, the fit collapsed to zero)."""
+    With two or more served lengths past SHORT_PROMPT, the engine fit is reshaped by the ratio
+    at each of them (`_reshaped_prefill`)."""
     short = [ttft - engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t <= SHORT_PROMPT]
     delay = max(statistics.median(short), 0.0) if short else 0.0
-    long = [(ttft - delay) / engine_lm.prefill_time(t, c) for t, c, ttft in points["prefill"] if t > SHORT_PROMPT]
-    scale = statistics.median(long) if long else 1.0
+    ratios: dict[tuple[int, int], list[float]] = {}  # served / engine prefill, per measured shape
+    for t, c, ttft in points["prefill"]:
+        if t > SHORT_PROMPT:
+            ratios.setdefault((t, c), []).append((ttft - delay) / engine_lm.prefill_time(t, c))
+    scale = statistics.median([r for rs in ratios.values() for r in rs]) if ratios else 1.0
     prefill = tuple(p * scale for p in engine_lm.prefill)
+    # short prompts set the delay so that their ratio is 1: the curve starts there
+    curve = [(SHORT_PROMPT, 1.0)] + sorted((t, statistics.median(rs)) for (t, c), rs in ratios.items() if c == 0)
+    if len(curve) >= 3:
+        prefill = _reshaped_prefill(engine_lm, curve, prefill[3])
     interference = (points.get("interference") or {}).get("factor", 0.0)
     fd = fit_decode(points["decode"])
     lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
