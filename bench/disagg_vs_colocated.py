@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps(ratios, indent=1))
     if args.plot:
-        _plot_summary(results, rates, slos, Path(args.plot))
+        _plot_summary(results, rates, slos, Path(args.plot), f"{args.model}, {args.dtype}")
         _plot_itl_tail(results, max(rates), Path(args.plot))
     return 0
 
@@ -207,7 +207,7 @@ def _table(results, rates, slos) -> str:
     return "\n".join(lines + legend)
 
 
-def _plot_summary(results, rates, slos, out: Path) -> None:
+def _plot_summary(results, rates, slos, out: Path, label: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,7 +231,7 @@ def _plot_summary(results, rates, slos, out: Path) -> None:
         ax.set_title(name, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("1 prefill + 1 decode vs 2 colocated workers (bench model, CPU, Azure conv trace)", fontsize=9)
+    fig.suptitle(f"1 prefill + 1 decode vs 2 colocated workers ({label}, CPU, Azure conv trace)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "disagg_vs_colocated.png", dpi=110)
     plt.close(fig)
