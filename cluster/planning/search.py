@@ -30,7 +30,8 @@ from bench.serve.metrics import meets_slo
 from bench.serve.workloads import Workload
 from cluster.planning.latency import LatencyModel
 from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.simulator import SimCluster, SimPool, simulate
+from cluster.planning.sim_spec import SimCluster, SimPool
+from cluster.planning.simulator import simulate
 
 FREE = LatencyModel()  # a phase that takes no time: isolates the other one
 OBJECTIVES = ("goodput", "per-gpu", "per-dollar")

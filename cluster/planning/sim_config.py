@@ -18,7 +18,7 @@ from cluster.planning.hardware import GPUSpec, get_gpu
 from cluster.planning.latency import LatencyModel
 from cluster.planning.roofline import ModelShape, kv_bytes_per_token, roofline_latency_model, weight_bytes
 from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.simulator import SimCluster, SimPool
+from cluster.planning.sim_spec import SimCluster, SimPool
 
 DEFAULT_MAX_MODEL_LEN = 8192
 

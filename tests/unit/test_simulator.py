@@ -10,7 +10,8 @@ from bench.serve.metrics import summarize
 from bench.serve.workloads import Workload, WorkloadRequest, data_dir, gamma_arrivals
 from cluster.planning.latency import LatencyModel
 from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.simulator import SimCluster, SimPool, simulate
+from cluster.planning.sim_spec import SimCluster, SimPool
+from cluster.planning.simulator import simulate
 
 LM = LatencyModel(prefill=(0.02, 0.08 / 512, 0.0, 0.0), decode=(0.01, 0.001, 1e-6), kv_bytes_per_token=1000,
                   transfer_bytes_per_s=1e12)
