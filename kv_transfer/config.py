@@ -19,7 +19,8 @@ class TransferConfig:
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
-    nixl_coalesce_reads: bool = True        # nixl: consecutive layers ready at one poll go as one READ
+    nixl_coalesce_reads: bool = True        # nixl: consecutive layers ready together before a request's
+                                            # first READ lands go as one READ (off: a READ per layer)
     nixl_sender_poll_s: float = 0.002       # nixl: sender's poll period while requests are in flight (it
                                             # only collects read confirmations; the receiver drives bytes)
     liveness_interval_s: float = 0.25       # nixl: probe peers of requests in flight this often (0 = off)

@@ -5,10 +5,10 @@ pool and the pool is never exposed to peers (they get connection info only).
 Lifecycle per request: expect() (BOOTSTRAPPING) -> sender Handshake over gRPC carrying
 its NIXL metadata and pool addresses (compat checked first; the sender's page list is
 prepared once per sender) -> Begin (dst page ids checked against the allocation, source
-pages recorded; WAITING) -> per layer a LayerReady notification -> a prepared READ for the
-layer, or one READ for consecutive layers ready at the same poll (TRANSFERRING), whose
-completion notifies the sender (LayerRead per layer) -> all layers read and the final
-notice in -> DONE. A failed read, an abort notice, a cancel, a
+pages recorded; WAITING) -> per layer a LayerReady notification -> READs of the ready layers
+(TRANSFERRING: one READ for consecutive layers ready together before the first READ lands, a
+prepared READ per layer after it), whose completion notifies the sender (LayerRead per layer)
+-> all layers read and the final notice in -> DONE. A failed read, an abort notice, a cancel, a
 sender found gone by the liveness probe (an empty notice every `liveness_interval_s`, which
 fails at once when the peer process has died) or the deadline -> FAILED: in-flight reads are cancelled (or waited out, up to a grace
 period), the sender is told, and the pages are released.

@@ -124,7 +124,7 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
         interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2))
         busy = measure_busy_ttft(address, vocab, rng)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
-            "busy_ttft": busy, "decode_workers": workers}
+            "busy_ttft": busy}
 
 
 def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int = 16) -> list[float]:
