@@ -29,13 +29,13 @@ def _bind_host(local: bool) -> str:
 
 class PrefillActor:
     def __init__(self, worker_id: str, pool: str, model: str, engine, transport: str, deadline_s: float,
-                 local: bool = True) -> None:
+                 local: bool = True, begin_timeout_s: float = 300.0) -> None:
         _one_thread()
         from cluster.worker_handles import LocalPrefillHandle
         from kv_transfer.config import TransferConfig
         from prefill_worker import AsyncPrefillWorker, PrefillWorker
 
-        cfg = TransferConfig(host=_bind_host(local), deadline_s=deadline_s)
+        cfg = TransferConfig(host=_bind_host(local), deadline_s=deadline_s, begin_timeout_s=begin_timeout_s)
         worker = PrefillWorker(model, transport=transport, transfer_config=cfg, **engine.engine_kwargs())
         self.handle = LocalPrefillHandle(AsyncPrefillWorker(worker), worker_id, pool)
 
@@ -61,7 +61,7 @@ class PrefillActor:
 
 class DecodeActor:
     def __init__(self, worker_id: str, pool: str, role: str, model: str, engine, transport: str, deadline_s: float,
-                 local: bool = True) -> None:
+                 local: bool = True, begin_timeout_s: float = 300.0) -> None:
         _one_thread()
         from cluster.worker_handles import LocalDecodeHandle
         from decode_worker import AsyncDecodeWorker, DecodeConfig, DecodeWorker, TransferFailurePolicy
@@ -70,7 +70,7 @@ class DecodeActor:
         threshold = BIG_THRESHOLD if role == "colocated" else engine.local_prefill_threshold
         dcfg = DecodeConfig(local_prefill_threshold=threshold, reserve_pages=engine.reserve_pages,
                             on_transfer_failure=TransferFailurePolicy(engine.on_transfer_failure))
-        cfg = TransferConfig(host=_bind_host(local), deadline_s=deadline_s)
+        cfg = TransferConfig(host=_bind_host(local), deadline_s=deadline_s, begin_timeout_s=begin_timeout_s)
         worker = DecodeWorker(model, transport=transport, transfer_config=cfg, config=dcfg, **engine.engine_kwargs())
         self.handle = LocalDecodeHandle(AsyncDecodeWorker(worker), worker_id, pool, role)
 

@@ -1,7 +1,7 @@
 """The cluster config, as users write it (YAML) and as `pdcluster serve` builds it from flags.
 
     model: small                      # checkpoint folder or built-in name
-    transport: {kind: nixl, deadline_s: 30}
+    transport: {kind: nixl, deadline_s: 30, begin_timeout_s: 300}
     router: {host: 127.0.0.1, port: 50051, policy: prefix-aware, max_inflight: 64, max_queue: 256}
     pools:
       - {name: prefill, role: prefill, replicas: 1, resources: {num_cpus: 1}, engine: {page_size: 16}}
@@ -72,7 +72,9 @@ class PoolConfig(_Strict):
 
 class TransportSettings(_Strict):
     kind: Literal["nixl", "grpc"] = "nixl"
-    deadline_s: float = Field(30.0, gt=0, description="whole KV transfer of one request")
+    deadline_s: float = Field(30.0, gt=0, description="whole KV transfer of one request, from the prefill's start")
+    begin_timeout_s: float = Field(300.0, gt=0, description="how long a decode worker's reserved pages wait for "
+                                                            "the prefill to start sending (queueing in the prefill pool)")
 
 
 class RouterSettings(_Strict):

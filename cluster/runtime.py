@@ -95,13 +95,15 @@ class Cluster:
                     scheduling_strategy=strategy_cls(placement_group=pg, placement_group_bundle_index=index),
                     max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}")
         wid = f"{pool.name}-{index}"
-        kind, deadline_s = self.config.transport.kind, self.config.transport.deadline_s
+        t = self.config.transport
         if pool.role == "prefill":
             actor = ray.remote(prefill_cls).options(**opts).remote(wid, pool.name, self.config.model, pool.engine,
-                                                                  kind, deadline_s, local)
+                                                                  t.kind, t.deadline_s, local,
+                                                                  begin_timeout_s=t.begin_timeout_s)
         else:
             actor = ray.remote(decode_cls).options(**opts).remote(wid, pool.name, pool.role, self.config.model,
-                                                                 pool.engine, kind, deadline_s, local)
+                                                                 pool.engine, t.kind, t.deadline_s, local,
+                                                                 begin_timeout_s=t.begin_timeout_s)
         return WorkerRecord(wid, pool.name, pool.role, actor)
 
     def stop(self, grace_s: float = 5.0) -> None:

@@ -10,7 +10,10 @@ DEFAULT_HOST = "127.0.0.1"
 class TransferConfig:
     host: str = DEFAULT_HOST                # the receiver's service binds here
     port: int = 0                           # 0 = pick a free port
-    deadline_s: float = 30.0                # whole transfer of one request, from start/expect
+    deadline_s: float = 30.0                # whole transfer of one request: sender from start(), receiver
+                                            # from the first sender's begin
+    begin_timeout_s: float = 300.0          # receiver: published pages wait this long for a sender to begin
+                                            # (the sender may be queued behind other prefills)
     handshake_timeout_s: float = 5.0        # connect + handshake + begin, per peer
     chunk_bytes: int = 1 << 20              # grpc: payload of one chunk
     max_inflight_chunks: int = 8            # grpc: unacknowledged chunks per stream
@@ -32,8 +35,8 @@ class TransferConfig:
     ucx_net_devices: str = "lo"
 
     def __post_init__(self) -> None:
-        if self.deadline_s <= 0 or self.handshake_timeout_s <= 0:
-            raise ValueError("TransferConfig.deadline_s and handshake_timeout_s must be > 0")
+        if self.deadline_s <= 0 or self.handshake_timeout_s <= 0 or self.begin_timeout_s <= 0:
+            raise ValueError("TransferConfig.deadline_s, begin_timeout_s and handshake_timeout_s must be > 0")
         if self.chunk_bytes < 4096 or self.chunk_bytes + (1 << 16) > self.grpc_max_message_bytes:
             raise ValueError("TransferConfig.chunk_bytes must be >= 4096 and leave 64 KiB headroom "
                              "under grpc_max_message_bytes")

@@ -3,7 +3,9 @@ arrived, and the checks every incoming message passes before a byte is written.
 
 Lifecycle of a request on the decode side:
   expect() allocates nothing itself: the decode worker hands in the pages it allocated,
-  state BOOTSTRAPPING; begin() from each sender (after its handshake) -> WAITING;
+  state BOOTSTRAPPING, bounded by the begin timeout (the sender may still be queued behind
+  other work: a prefill pool's queue is not a transfer); begin() from each sender (after its
+  handshake) -> WAITING, and the transfer deadline runs from the first begin;
   check_run() + mark() per written run -> TRANSFERRING; all layers x tokens x held heads
   written and a final notice in -> DONE; the worker then take()s the request (its pages
   are the worker's to decode from). On FAILED (deadline, peer death, rejected message,
@@ -39,7 +41,8 @@ class Incoming:
     status: TransferStatus
     page_ids: np.ndarray
     num_tokens: int
-    deadline: float
+    deadline: float                          # begin timeout until a sender begins, then the transfer's
+    transfer_s: float                        # the transfer deadline, applied from the first begin()
     covered: np.ndarray                      # bool [layers, tokens, held heads]
     remaining: int
     senders: dict[str, KVLayout] = field(default_factory=dict)
@@ -60,7 +63,11 @@ class ReceiverBook:
         self.before_release: Callable[[str], None] | None = None  # transport hook: cancel in-flight ops
 
     # ---- allocation -------------------------------------------------------------------------
-    def expect(self, request_id: str, page_ids: list[int], num_tokens: int, deadline_s: float) -> TransferStatus:
+    def expect(self, request_id: str, page_ids: list[int], num_tokens: int, deadline_s: float,
+               begin_timeout_s: float | None = None) -> TransferStatus:
+        """Track `page_ids` for `request_id`. A sender must begin within `begin_timeout_s`
+        (default: `deadline_s`), and the whole transfer then finish within `deadline_s` of that
+        first begin; either expiry fails the request and releases its pages."""
         pages = np.asarray(page_ids, dtype=np.int64)
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -79,8 +86,9 @@ class ReceiverBook:
             if busy and np.isin(pages, np.asarray(busy)).any():
                 raise ValueError("page_ids overlap pages of another request in flight")
             shape = (self.layout.num_layers, num_tokens, self.layout.num_heads)
+            wait = deadline_s if begin_timeout_s is None else begin_timeout_s
             self._active[request_id] = Incoming(TransferStatus(request_id), pages, num_tokens,
-                                                time.monotonic() + deadline_s, np.zeros(shape, dtype=bool),
+                                                time.monotonic() + wait, deadline_s, np.zeros(shape, dtype=bool),
                                                 int(np.prod(shape)))
             return self._active[request_id].status
 
@@ -124,6 +132,8 @@ class ReceiverBook:
             lo, hi = head_overlap(sender_layout, self.layout)
             if lo >= hi:
                 raise self._reject(request_id, "sender holds none of the receiver's heads")
+            if not inc.senders:  # the first sender: from here on the transfer deadline applies
+                inc.deadline = time.monotonic() + inc.transfer_s
             inc.senders[sender_id] = sender_layout
             inc.status.advance(TransferState.WAITING)
             return inc
@@ -269,11 +279,11 @@ class ReceiverBook:
     def reap(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [rid for rid, inc in self._active.items()
+            expired = [(rid, bool(inc.senders)) for rid, inc in self._active.items()
                        if not inc.status.state.terminal and now > inc.deadline]
             stuck = [(rid, inc) for rid, inc in self._active.items() if inc.status.state.terminal]
-        for rid in expired:
-            self.fail(rid, "deadline exceeded")
+        for rid, begun in expired:
+            self.fail(rid, "deadline exceeded" if begun else "begin deadline exceeded: no sender began in time")
         with self._lock:
             for rid, inc in stuck:
                 if inc.status.state == TransferState.FAILED:

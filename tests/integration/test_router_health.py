@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from kv_transfer import TransferConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
 from tests.integration.test_metrics import per_worker, scrape
@@ -25,9 +26,9 @@ S = pb.SamplingParams
 
 
 @pytest.fixture
-def router(tiny_model):
+def router(tiny_model, request):
     model = tiny_model("llama")
-    prefill, decode, ph, dh = local_pair(model, 64)
+    prefill, decode, ph, dh = local_pair(model, 64, getattr(request, "param", None))
     loop = Loop()
     server = build_router(model, [ph], [dh], max_model_len=256)
     server.load_timeout_s = 0.05  # loads answered later than this are "late"
@@ -82,5 +83,24 @@ def test_silent_prefill_worker_leaves_placement_then_returns(router):
     ids, _, last = collect(stub(server), request(30))
     assert len(ids) == 4 and last.finish_reason == "length"
     time.sleep(0.2)  # the refused request's decode pages are freed by a cancel task
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages
+
+
+@pytest.mark.parametrize("router", [TransferConfig(deadline_s=0.4)], indirect=True)
+def test_prefill_queue_longer_than_the_transfer_deadline_is_not_a_failure(router):
+    """A request waits in a busy prefill worker's queue for longer than the KV transfer
+    deadline; the decode worker's reserved pages wait for the transfer to begin (bounded by the
+    begin timeout), so the request is served, only later. Regression: the receiver's deadline
+    ran from the decode admission, so on a loaded CPU cluster requests queued behind long
+    prefills failed with UNAVAILABLE "no healthy prefill worker left to retry on"."""
+    server, ph, workers = router
+    busy = hold_engine_thread(ph, 1.2)  # three transfer deadlines of queueing
+    t0 = time.monotonic()
+    ids, _, last = collect(stub(server), request())
+    busy.join()
+    assert len(ids) == 4 and last.finish_reason == "length"
+    assert time.monotonic() - t0 > 1.0  # it did wait behind the busy step
+    time.sleep(0.2)
     for w in workers:
         assert w.core.num_free_pages == w.core.num_pages

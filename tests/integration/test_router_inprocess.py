@@ -63,11 +63,11 @@ class Loop:
         self.thread.join(5)
 
 
-def local_pair(model, num_pages: int):
+def local_pair(model, num_pages: int, cfg: TransferConfig | None = None):
     """One prefill and one decode worker over a local KV hub, page-leak checked, and their
     in-process handles."""
     hub = LocalHub()
-    cfg = TransferConfig(deadline_s=20)
+    cfg = cfg or TransferConfig(deadline_s=20)
     prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
                             page_size=16, num_pages=num_pages, **ENGINE)
     decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},

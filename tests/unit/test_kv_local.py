@@ -117,17 +117,42 @@ def test_receiver_validates_every_run():
 
 
 def test_deadline_fails_and_releases():
+    """No sender begins within the begin timeout: FAILED, pages handed back."""
     dst = pool(16)
     released = []
     recv = LocalReceiver(dst, on_release=lambda r, pg: released.append((r, pg)), hub=LocalHub())
-    recv.expect("slow", [0, 1, 2, 3, 4], T, deadline_s=0.1)
+    recv.expect("slow", [0, 1, 2, 3, 4], T, deadline_s=0.1, begin_timeout_s=0.1)
     status = recv.wait("slow", 2)
-    assert status.state == TransferState.FAILED and "deadline" in status.error
+    assert status.state == TransferState.FAILED and "begin deadline" in status.error
     # FAILED is visible a moment before the reaper thread hands the pages back
     until = time.monotonic() + 1.0
     while not released and time.monotonic() < until:
         time.sleep(0.005)
     assert released == [("slow", [0, 1, 2, 3, 4])]
+    recv.close()
+
+
+def test_transfer_deadline_runs_from_the_first_begin_not_from_expect():
+    """A sender queued behind other work (a busy prefill worker) is not a slow transfer: the
+    destination waits out the begin timeout, and the transfer deadline starts at begin()."""
+    hub = LocalHub()
+    dst, src = pool(16), pool(16, seed=3)
+    recv = LocalReceiver(dst, hub=hub)
+    sender = LocalSender(src, hub=hub)
+    desc = recv.expect("queued", [0, 1, 2, 3, 4], T, deadline_s=0.3, begin_timeout_s=10.0)
+    time.sleep(0.6)  # twice the transfer deadline with no sender yet
+    assert recv.status("queued").state == TransferState.BOOTSTRAPPING
+    t0 = time.monotonic()
+    assert sender.start("queued", [desc], [5, 6, 7, 8, 9], T).state == TransferState.WAITING
+    sender.send_layer("queued", 0)  # then stalls: this is a slow transfer
+    status = recv.wait("queued", 3)
+    assert status.state == TransferState.FAILED and status.error == "deadline exceeded"
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    until = time.monotonic() + 1.0
+    while recv.tracked_pages() and time.monotonic() < until:
+        time.sleep(0.005)
+    assert recv.tracked_pages() == []
+    sender.cancel("queued", "test over")
     recv.close()
 
 

@@ -19,9 +19,9 @@ from tests.hf_reference import random_prompts
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8)
 
 
-def make_pair(model_dir, *, decode_pages=64, prefill_pages=64, config=None, deadline_s=10.0):
+def make_pair(model_dir, *, decode_pages=64, prefill_pages=64, config=None, deadline_s=10.0, begin_timeout_s=60.0):
     hub = LocalHub()
-    cfg = TransferConfig(deadline_s=deadline_s)
+    cfg = TransferConfig(deadline_s=deadline_s, begin_timeout_s=begin_timeout_s)
     prefill = PrefillWorker(model_dir, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
                             page_size=16, num_pages=prefill_pages, **ENGINE)
     decode = DecodeWorker(model_dir, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
@@ -211,9 +211,10 @@ def test_cancel_while_transfer_in_flight_fails_sender(tiny_model):
 
 @pytest.mark.parametrize("policy", [TransferFailurePolicy.FAIL, TransferFailurePolicy.REPREFILL])
 def test_transfer_failure_policy(tiny_model, make_llm, policy):
-    """No prefill ever comes (as if its worker died): the deadline fails the transfer."""
+    """No prefill ever comes (as if its worker died): the begin timeout fails the transfer."""
     model = tiny_model("llama")
-    prefill, decode = make_pair(model, config=DecodeConfig(on_transfer_failure=policy), deadline_s=0.3)
+    prefill, decode = make_pair(model, config=DecodeConfig(on_transfer_failure=policy), deadline_s=10.0,
+                                begin_timeout_s=0.3)
     prompt = random_prompts([70], 256, seed=7)[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     d = Driver(prefill, decode)
