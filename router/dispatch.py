@@ -180,14 +180,17 @@ class Dispatcher:
             dview = self.policy.pick_decode(decodes, req.block_hashes)
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
+            # Counted before the admit is awaited: a worker answers between engine steps, so a
+            # burst arriving during one long step would otherwise see the same counts and all
+            # be placed on that one worker. The caller's `finally` uncounts live.views.
+            dview.inflight += 1
+            dview.placed += 1
+            live.views.append(dview)
             try:
                 adm = await decode.admit(rid, req.prompt_token_ids, req.params)
             except ValueError as exc:  # the worker's own limits (pages, lengths)
                 live.done = True
                 raise RequestError(f"decode worker {dview.worker_id} refused the request: {exc}") from exc
-            dview.inflight += 1
-            dview.placed += 1
-            live.views.append(dview)
             stats.decode_worker = dview.worker_id
             if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
                 adm = await decode.wait_admitted(rid)

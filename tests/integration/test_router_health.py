@@ -104,3 +104,43 @@ def test_prefill_queue_longer_than_the_transfer_deadline_is_not_a_failure(router
     time.sleep(0.2)
     for w in workers:
         assert w.core.num_free_pages == w.core.num_pages
+
+
+def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
+    """Six requests arrive while both decode workers are inside an engine step (a worker
+    answers admits between steps). Each placement must count at once, so the burst splits 3/3.
+    Regression: the router counted a placement only after the worker's admit returned, so every
+    request of the burst saw equal counts and all six went to the first worker (on a colocated
+    cluster, to the worker stuck in a long prefill)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.worker_handles import LocalDecodeHandle
+    from decode_worker import AsyncDecodeWorker, DecodeWorker
+    from tests.conftest import register_engine
+    from tests.integration.test_router_inprocess import ENGINE, local_pair
+
+    model = tiny_model("llama")
+    prefill, decode0, ph, dh0 = local_pair(model, 64)
+    decode1 = DecodeWorker(model, transport="local", transfer_config=TransferConfig(deadline_s=20),
+                           receiver_kwargs={"hub": decode0.receiver.hub}, page_size=16, num_pages=64, **ENGINE)
+    register_engine(decode1.core)
+    dh1 = LocalDecodeHandle(AsyncDecodeWorker(decode1), "decode-1")
+    loop = Loop()
+    server = build_router(model, [ph], [dh0, dh1], max_model_len=256)
+    loop.run(server.start())
+    try:
+        busy = [hold_engine_thread(h, 0.8) for h in (dh0, dh1)]
+        with ThreadPoolExecutor(6) as pool:
+            lasts = [f.result()[2] for f in [pool.submit(collect, stub(server), request(20 + i)) for i in range(6)]]
+        for t in busy:
+            t.join()
+        placed = sorted(last.placement.decode_worker for last in lasts)
+        assert placed == ["decode-0"] * 3 + ["decode-1"] * 3
+        time.sleep(0.2)
+        for w in (prefill, decode0, decode1):
+            assert w.core.num_free_pages == w.core.num_pages
+    finally:
+        loop.run(server.stop(1.0))
+        for h in (ph, dh0, dh1):
+            h.close()
+        loop.close()
