@@ -77,6 +77,7 @@ class DecodeOutput:
     # One per new token when params.logprobs is set, else None. The first token's entry is None
     # when it came from the prefill worker (its logprobs are in the PrefillResult).
     new_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served, when the prompt was prefilled here
 
 
 @dataclass(slots=True)

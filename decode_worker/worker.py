@@ -220,7 +220,8 @@ class DecodeWorker:
                 result.outputs.append(DecodeOutput(out.request_id, out.new_token_ids, out.token_ids,
                                                    TokenSource.DECODE_WORKER, entry.stage, out.finished,
                                                    out.finish_reason, out.new_text,
-                                                   new_logprobs=_new_logprobs(out)))
+                                                   new_logprobs=_new_logprobs(out),
+                                                   num_cached_tokens=out.num_cached_tokens))
             self._decoded.append((time.monotonic(), num_decoded))
         self._drain_releases(result.outputs)
         return result

@@ -78,6 +78,13 @@ class _Live:
     first_token: int | None = None  # from the prefill result, sent ahead of the decode stream
     first_logprobs: object | None = None  # its engine.sampler.TokenLogprobs, when asked
     views: list[WorkerView] = field(default_factory=list)
+    local_tokens: tuple[WorkerView, int] | None = None  # a colocated prefill not yet sampled: its prompt
+
+    def end_local_prefill(self) -> None:
+        if self.local_tokens is not None:
+            view, n = self.local_tokens
+            view.inflight_tokens -= n
+            self.local_tokens = None
 
 
 class Dispatcher:
@@ -145,8 +152,10 @@ class Dispatcher:
                 if ids or out.new_text:
                     if not stats.first_output:  # for a disaggregated request: the transfer is done
                         stats.first_output = time.monotonic()
+                        live.end_local_prefill()
                         if stats.local_prefill:  # sampled where it decodes: prefill ends here, no transfer
                             stats.first_token = stats.first_output
+                            stats.cached_prompt_tokens = out.num_cached_tokens
                     # The decode side's copy of the first token (source PREFILL_WORKER, or the
                     # re-sampled one after a REPREFILL) was already sent: keep only its text.
                     drop = min(ahead, len(ids))
@@ -164,6 +173,7 @@ class Dispatcher:
                     stats.finish_reason = out.finish_reason or "stop"
                     return
         finally:
+            live.end_local_prefill()
             for v in live.views:
                 v.inflight -= 1
             if not live.done:
@@ -177,7 +187,10 @@ class Dispatcher:
             decodes = self._candidates(self.decodes)
             if not decodes:
                 raise RequestError("no healthy decode worker", grpc.StatusCode.UNAVAILABLE)
-            dview = self.policy.pick_decode(decodes, req.block_hashes)
+            if all(v.role == "colocated" for v in decodes):
+                dview = self.policy.pick_colocated(decodes, req.block_hashes)
+            else:
+                dview = self.policy.pick_decode(decodes, req.block_hashes)
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
             # Counted before the admit is awaited: a worker answers between engine steps, so a
@@ -196,6 +209,10 @@ class Dispatcher:
                 adm = await decode.wait_admitted(rid)
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
+                if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
+                    dview.inflight_tokens += len(req.prompt_token_ids)
+                    live.local_tokens = (dview, len(req.prompt_token_ids))
+                    dview.remember(req.block_hashes, _capacity(dview))
                 stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
             stats.kv_bytes = kv_transfer_bytes(adm.descriptor)

@@ -66,6 +66,10 @@ class PlacementPolicy:
     def pick_prefill(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
         raise NotImplementedError
 
+    def pick_colocated(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+        """A worker that prefills the prompt itself and then decodes it."""
+        return self.pick_decode(views, hashes)
+
 
 class RoundRobin(PlacementPolicy):
     name = "round-robin"
@@ -100,6 +104,11 @@ class PrefixAware(LeastLoaded):
         # A cached page saves page_size tokens of compute; queued tokens delay this one.
         return max(views, key=lambda v: (v.matched_pages(hashes) * self.page_size - v.queued_tokens,
                                          -v.inflight, -v.placed))
+
+    def pick_colocated(self, views, hashes):
+        # It prefills here, so prefix hits and queued prompt tokens weigh as for a prefill
+        # worker; then the streams it already decodes.
+        return self.pick_prefill(views, hashes)
 
 
 def make_policy(name: str, page_size: int) -> PlacementPolicy:

@@ -180,7 +180,8 @@ class Simulator:
     def _admit(self, req: SimRequest, now: float) -> None:
         self._inflight += 1
         req.admitted = now
-        dview = self._pick(self.decodes, req, self._policy.pick_decode)
+        colocated = all(v.worker.role == "colocated" for v in self.decodes)
+        dview = self._pick(self.decodes, req, self._policy.pick_colocated if colocated else self._policy.pick_decode)
         dview.router.inflight += 1
         dview.router.placed += 1
         dec = dview.worker
@@ -188,6 +189,9 @@ class Simulator:
         if dec.role == "colocated" or (dview.local_threshold and
                                        req.prompt_len - dec.cached_prefix_tokens(req) < dview.local_threshold):
             req.local_prefill = True
+            if dec.role == "colocated":  # as the router: its prompt counts as queued there until sampled
+                dview.router.inflight_tokens += req.prompt_len
+                dview.router.remember(req.page_keys, self._index_capacity[id(dview.router)])
             req.prefill_start = now
             dec.add(req)
             self._kick(dview, now)
@@ -236,6 +240,8 @@ class Simulator:
         if req.first_token < 0:  # sampled here from the prompt: the first token
             req.first_token = now
             worker.remember_prompt(req)
+            if worker.role == "colocated":
+                self._view[worker].router.inflight_tokens -= req.prompt_len
         if worker.role == "prefill":
             view = self._view[worker]
             view.router.inflight -= 1

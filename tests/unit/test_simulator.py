@@ -81,6 +81,18 @@ def test_shared_prefix_blocks_hit_the_cache_and_route_to_it():
     assert computed == 300 + 5 * (300 - 192)
 
 
+def test_colocated_workers_route_shared_prefixes_to_the_cache_as_the_router_does():
+    """Two colocated workers under the prefix-aware policy (the router's own objects): requests
+    sharing Mooncake blocks all go to the worker holding them; a request without shared blocks
+    goes to the other one."""
+    reqs = [(float(i), 300, 4, (1, 2, 3)) for i in range(5)] + [(5.0, 300, 4, (7, 8, 9))]
+    res = simulate(SimCluster([SimPool("c", "colocated", 2, LM, BIG)]), wl(reqs, block_tokens=64))
+    recs = res.records
+    assert [r.cached_tokens for r in recs] == [0, 192, 192, 192, 192, 0]
+    assert len({r.server["decode_worker"] for r in recs[:5]}) == 1
+    assert recs[5].server["decode_worker"] != recs[0].server["decode_worker"]
+
+
 def test_decode_pages_run_out_preempt_and_every_request_still_completes():
     limits = EngineLimits(page_size=16, num_pages=40, max_num_batched_tokens=512, max_num_seqs=64)
     res = simulate(disagg(decode_limits=limits), wl([(0.0, 100, 200)] * 4))

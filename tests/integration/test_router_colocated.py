@@ -1,0 +1,75 @@
+"""Placement on colocated workers (each prefills its own prompts): with the prefix-aware policy a
+prompt goes to the worker whose prefix cache already holds its first pages, and a burst is
+spread by queued prompt tokens. Real in-process workers (tiny llama) behind the real gRPC router.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cluster.actors import BIG_THRESHOLD
+from cluster.worker_handles import LocalDecodeHandle
+from decode_worker import AsyncDecodeWorker, DecodeConfig, DecodeWorker
+from kv_transfer.local import LocalHub
+from proto.pdcluster.v1 import inference_pb2 as pb
+from router.app import build_router
+from tests.conftest import register_engine
+from tests.hf_reference import random_prompts
+from tests.integration.test_router_inprocess import ENGINE, Loop, collect, stub
+
+S = pb.SamplingParams
+
+
+@pytest.fixture
+def colocated(tiny_model, request):
+    model = tiny_model("llama")
+    hub, workers, handles = LocalHub(), [], []
+    for i in range(2):
+        w = DecodeWorker(model, transport="local", receiver_kwargs={"hub": hub}, page_size=16, num_pages=64,
+                         config=DecodeConfig(local_prefill_threshold=BIG_THRESHOLD), **ENGINE)
+        register_engine(w.core)
+        workers.append(w)
+        handles.append(LocalDecodeHandle(AsyncDecodeWorker(w), f"colocated-{i}", "colocated", role="colocated"))
+    loop = Loop()
+    server = build_router(model, [], handles, max_model_len=256, policy=request.param)
+    loop.run(server.start())
+    yield server, workers
+    loop.run(server.stop(1.0))
+    for h in handles:
+        h.close()
+    loop.close()
+
+
+def ask(server, prompt):
+    _, _, last = collect(stub(server), pb.GenerateRequest(prompt_token_ids=prompt, sampling=S(
+        max_tokens=3, temperature=0, ignore_eos=True)))
+    return last.placement.decode_worker, last.usage.cached_prompt_tokens
+
+
+@pytest.mark.parametrize("colocated", ["prefix-aware"], indirect=True)
+def test_shared_prefix_goes_to_the_worker_that_cached_it(colocated):
+    """Before: colocated placement was least-loaded only, so the second prompt of a
+    conversation went to the other (idle, less placed) worker and prefilled its prefix again."""
+    server, workers = colocated
+    prefix = random_prompts([96], 256, seed=21)[0]
+    a, b = random_prompts([20, 20], 256, seed=22)
+    first, cached0 = ask(server, prefix + a)
+    second, cached1 = ask(server, prefix + b)
+    assert cached0 == 0
+    assert second == first and cached1 == 96  # six full pages of the prefix served from cache
+    third, _ = ask(server, random_prompts([40], 256, seed=23)[0])  # no shared prefix: the other worker
+    assert third != first
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages
+
+
+@pytest.mark.parametrize("colocated", ["prefix-aware", "least-loaded"], indirect=True)
+def test_a_burst_of_prompts_is_spread_over_colocated_workers(colocated):
+    server, workers = colocated
+    prompts = random_prompts([60] * 6, 256, seed=24)
+    with ThreadPoolExecutor(6) as pool:
+        placed = sorted(w for w, _ in pool.map(lambda p: ask(server, p), prompts))
+    assert placed == ["colocated-0"] * 3 + ["colocated-1"] * 3
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages
