@@ -152,8 +152,8 @@ class Dispatcher:
                 if ids or out.new_text:
                     if not stats.first_output:  # for a disaggregated request: the transfer is done
                         stats.first_output = time.monotonic()
-                        live.end_local_prefill()
                         if stats.local_prefill:  # sampled where it decodes: prefill ends here, no transfer
+                            live.end_local_prefill()
                             stats.first_token = stats.first_output
                             stats.cached_prompt_tokens = out.num_cached_tokens
                     # The decode side's copy of the first token (source PREFILL_WORKER, or the
@@ -187,10 +187,7 @@ class Dispatcher:
             decodes = self._candidates(self.decodes)
             if not decodes:
                 raise RequestError("no healthy decode worker", grpc.StatusCode.UNAVAILABLE)
-            if all(v.role == "colocated" for v in decodes):
-                dview = self.policy.pick_colocated(decodes, req.block_hashes)
-            else:
-                dview = self.policy.pick_decode(decodes, req.block_hashes)
+            dview = self.policy.place(decodes, req.block_hashes)
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
             # Counted before the admit is awaited: a worker answers between engine steps, so a

@@ -70,6 +70,13 @@ class PlacementPolicy:
         """A worker that prefills the prompt itself and then decodes it."""
         return self.pick_decode(views, hashes)
 
+    def place(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+        """Where a request decodes: by the colocated rule when every candidate prefills its own
+        prompts, else by the decode rule (its prefill is placed apart)."""
+        if all(v.role == "colocated" for v in views):
+            return self.pick_colocated(views, hashes)
+        return self.pick_decode(views, hashes)
+
 
 class RoundRobin(PlacementPolicy):
     name = "round-robin"

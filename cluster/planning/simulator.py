@@ -180,8 +180,7 @@ class Simulator:
     def _admit(self, req: SimRequest, now: float) -> None:
         self._inflight += 1
         req.admitted = now
-        colocated = all(v.worker.role == "colocated" for v in self.decodes)
-        dview = self._pick(self.decodes, req, self._policy.pick_colocated if colocated else self._policy.pick_decode)
+        dview = self._pick(self.decodes, req, self._policy.place)
         dview.router.inflight += 1
         dview.router.placed += 1
         dec = dview.worker
