@@ -87,9 +87,9 @@ class ReceiverBook:
                 raise ValueError("page_ids overlap pages of another request in flight")
             shape = (self.layout.num_layers, num_tokens, self.layout.num_heads)
             wait = deadline_s if begin_timeout_s is None else begin_timeout_s
-            self._active[request_id] = Incoming(TransferStatus(request_id), pages, num_tokens,
-                                                time.monotonic() + wait, deadline_s, np.zeros(shape, dtype=bool),
-                                                int(np.prod(shape)))
+            status = TransferStatus(request_id, signal_on_terminal=False)
+            self._active[request_id] = Incoming(status, pages, num_tokens, time.monotonic() + wait, deadline_s,
+                                                np.zeros(shape, dtype=bool), int(np.prod(shape)))
             return self._active[request_id].status
 
     def tracked_pages(self) -> list[int]:
@@ -239,7 +239,8 @@ class ReceiverBook:
     def _maybe_done(self, inc: Incoming) -> None:
         # every sender that began must have sent its final notice (TP senders each send one)
         if inc.remaining == 0 and inc.writers == 0 and inc.finals and inc.finals >= inc.senders.keys():
-            inc.status.advance(TransferState.DONE)
+            if inc.status.advance(TransferState.DONE):
+                inc.status.finish()  # the pages stay with the request until take()
 
     # ---- endings ----------------------------------------------------------------------------
     def fail(self, request_id: str, reason: str) -> None:
@@ -258,8 +259,11 @@ class ReceiverBook:
             return
         inc.released = True
         self._retire(request_id)
-        if self._on_release is not None:
-            self._on_release(request_id, inc.page_ids.tolist())
+        try:
+            if self._on_release is not None:
+                self._on_release(request_id, inc.page_ids.tolist())
+        finally:
+            inc.status.finish()  # wait() returns FAILED only once the pages are released
 
     def _retire(self, request_id: str) -> None:
         inc = self._active.pop(request_id)

@@ -4,7 +4,8 @@ Lifecycle of a request on the prefill side: start() pins the source pages (BOOTS
 while the transport handshakes with each destination; begun -> WAITING; the first
 send_layer -> TRANSFERRING; every layer confirmed by every destination and the final
 notice sent -> DONE. DONE or FAILED calls `on_release(request_id, pages, state)` once, when
-no byte of those pages can still be read, so the worker may free or cache them.
+no byte of those pages can still be read, so the worker may free or cache them; `wait()`
+returns a terminal state only after that call.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class SenderBook:
         with self._lock:
             if request_id in self._active:
                 raise ValueError(f"request_id {request_id!r} is already being sent")
-            out = Outgoing(TransferStatus(request_id), pages[:need], num_tokens, list(dests),
+            out = Outgoing(TransferStatus(request_id, signal_on_terminal=False), pages[:need], num_tokens, list(dests),
                            time.monotonic() + deadline_s,
                            confirmed=np.zeros((len(dests), self.num_layers), dtype=bool),
                            finals=np.zeros(len(dests), dtype=bool))
@@ -95,6 +96,8 @@ class SenderBook:
             return [int(p) for out in self._active.values() for p in out.src_pages]
 
     def advance(self, request_id: str, state: TransferState) -> None:
+        if state.terminal:
+            raise ValueError(f"advance moves to a non-terminal state; {state.name} goes through confirm/fail")
         with self._lock:
             out = self._active.get(request_id)
             if out is not None:
@@ -137,8 +140,11 @@ class SenderBook:
         self._history[request_id] = out.status
         while len(self._history) > self._history_len:
             self._history.popitem(last=False)
-        if self._on_release is not None:
-            self._on_release(request_id, out.src_pages.tolist(), out.status.state)
+        try:
+            if self._on_release is not None:
+                self._on_release(request_id, out.src_pages.tolist(), out.status.state)
+        finally:
+            out.status.finish()  # wait() returns only once the pages are released
 
     def reap(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

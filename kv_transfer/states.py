@@ -40,6 +40,9 @@ class TransferStatus:
     error: str | None = None
     first_token: int | None = None
     prompt_len: int | None = None
+    # a ledger that releases pages on the terminal state sets this False and calls finish()
+    # after the release, so that wait() returning DONE/FAILED means the pages are settled
+    signal_on_terminal: bool = field(default=True, repr=False)
     _finished: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,9 +54,13 @@ class TransferStatus:
             return False
         self.state = state
         self.entered[state] = time.monotonic()
-        if state.terminal:
+        if state.terminal and self.signal_on_terminal:
             self._finished.set()
         return True
+
+    def finish(self) -> None:
+        """Wake wait()ers of a terminal status whose ledger has finished its release."""
+        self._finished.set()
 
     def fail(self, reason: str) -> bool:
         if not self.advance(TransferState.FAILED):

@@ -256,3 +256,31 @@ def test_push_chunk_round_trips_and_reads_like_protobuf():
 def test_push_decoder_rejects_malformed_items(raw):
     with pytest.raises(WireError):
         decode_push(raw)
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_wait_returns_a_failure_only_after_its_pages_are_released(side):
+    """A caller that sees FAILED from wait() may reuse the pages at once: the release already ran."""
+    import threading
+
+    from kv_transfer.receiver_book import ReceiverBook
+    from kv_transfer.sender_book import SenderBook
+
+    released: list[str] = []
+
+    def slow_release(rid, *_):
+        time.sleep(0.3)
+        released.append(rid)
+
+    p = pool(16)
+    if side == "sender":
+        book = SenderBook(p.layout.num_layers, p.num_pages, slow_release)
+        dest = DestinationDescriptor("r", "local", "127.0.0.1:5", (5, 6, 7, 8, 9), T, p.layout,
+                                     CompatInfo.of(SPEC, p.layout))
+        status = book.start("r", [0, 1, 2, 3, 4], T, [dest], 30.0, 16).status
+    else:
+        book = ReceiverBook(p, slow_release)
+        status = book.expect("r", [0, 1, 2, 3, 4], T, 30.0)
+    threading.Thread(target=book.fail, args=("r", "peer died"), daemon=True).start()
+    assert status.wait(5.0) == TransferState.FAILED
+    assert released == ["r"]
