@@ -126,16 +126,18 @@ class _Step:
 
 
 class EngineSim:
-    """A worker's engine. `on_sampled(worker, request, now)` is called for every request that
-    sampled a token in a step (after its bookkeeping); it returns True to keep the request
-    running (decode on), False when the owner took it out (finished, or handed off)."""
+    """A worker's engine. `on_sampled(worker, request, now)` is called when a request samples
+    its first token here (from its prompt) or its last (`output_len` reached), after the step's
+    bookkeeping; it returns True to keep the request running (decode on), False when the owner
+    took it out (finished, or handed off). Tokens in between only append to `token_times`: a
+    simulated hour samples millions of them, and the owner has nothing to do for those."""
 
     def __init__(self, name: str, role: str, latency: LatencyModel, limits: EngineLimits,
                  on_sampled: Callable[[EngineSim, SimRequest, float], bool]) -> None:
         self.name, self.role, self.latency, self.limits = name, role, latency, limits
         self.on_sampled = on_sampled
-        # x step time from neighbours busy on the same host (set by the owner; 1 = alone)
-        self.slowdown: Callable[[], float] = lambda: 1.0
+        # x step time from neighbours busy on the same host (set by the owner; None = alone)
+        self.slowdown: Callable[[], float] | None = None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.arrived: deque[SimRequest] = deque()  # KV here, waiting for a sequence slot
@@ -227,17 +229,20 @@ class EngineSim:
         budget = lim.max_num_batched_tokens
         chosen: list = []
         chunks: list = []
+        add = chosen.append
         num_dec = ctx = 0
         preempted = False
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.num_tokens - req.computed
+            computed = req.computed
+            n = req.num_tokens - computed
             if n > budget:
                 n = budget
-            need = -(-(req.computed + n) // ps) - req.pages
-            if need > 0:
+            end = computed + n
+            if end > req.pages * ps:  # the step writes past the pages it holds
+                need = -(-end // ps) - req.pages
                 lost = False
                 while need > self.free_pages:
                     victim = running.pop()
@@ -250,13 +255,13 @@ class EngineSim:
                     break  # req itself was preempted: every request after it is gone too
                 self.free_pages -= need
                 req.pages += need
-            chosen.append((req, n))
+            add((req, n))
             budget -= n
-            if n == 1 and req.computed >= req.prompt_len:
+            if n == 1 and computed >= req.prompt_len:
                 num_dec += 1
-                ctx += req.computed + 1
+                ctx += computed + 1
             else:
-                chunks.append((n, req.computed))
+                chunks.append((n, computed))
             i += 1
         if not preempted:
             waiting = self.waiting
@@ -282,8 +287,11 @@ class EngineSim:
                 chunks.append((n, req.computed))
         if not chosen:
             return None
-        self.cache.shrink(self.free_pages)
-        dur = self.latency.step_time(chunks, num_dec, ctx) * self.slowdown()
+        if self.cache.pages > self.free_pages:
+            self.cache.shrink(self.free_pages)
+        dur = self.latency.step_time(chunks, num_dec, ctx)
+        if self.slowdown is not None:
+            dur *= self.slowdown()
         self.step = _Step(now, now + dur, chosen, bool(chunks))
         self.steps += 1
         self.busy_s += dur
@@ -304,17 +312,18 @@ class EngineSim:
         return now
 
     def _apply(self, scheduled: list, now: float) -> None:
+        on_sampled = self.on_sampled
         for req, n in scheduled:
             before = req.computed
-            req.computed += n
+            computed = req.computed = before + n
             if before < req.prompt_len:
-                self.computed_prompt_tokens += min(req.computed, req.prompt_len) - before
-            if req.computed < req.num_tokens:
+                self.computed_prompt_tokens += min(computed, req.prompt_len) - before
+            if computed < req.num_tokens:
                 continue  # a chunk of a longer prefill
-            req.generated += 1
+            generated = req.generated = req.generated + 1
             req.num_tokens += 1
             req.token_times.append(now)
-            if not self.on_sampled(self, req, now):
+            if (generated == 1 or generated >= req.output_len) and not on_sampled(self, req, now):
                 self.running.remove(req)
 
     def _preempt(self, req: SimRequest) -> None:

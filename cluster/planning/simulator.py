@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -119,15 +120,25 @@ class Simulator:
         self._state = {"in_flight": 0, "waiting": 0}
         self._client_cap = max_concurrency
         self._client_queue: deque[SimRequest] = deque()
-        for r in reqs:
-            self._push(r.arrival, 0, r)
+        # Arrivals are merged in from a sorted list rather than pushed onto the heap, which then
+        # holds only the few events in flight (steps, transfers, kicks): at equal times an
+        # arrival goes first, as it would with every arrival pushed before any other event.
+        arrivals = sorted(reqs, key=lambda r: r.arrival)
+        n_arrivals, next_arrival = len(arrivals), 0
         events = self._events
+        self._next_arrival = arrivals[0].arrival if arrivals else math.inf
+        pop = heapq.heappop
         now = 0.0
-        while events:
-            now, _, kind, obj = heapq.heappop(events)
-            if kind == 0:
-                self._arrive(obj, now)
-            elif kind == 1:
+        while events or next_arrival < n_arrivals:
+            if next_arrival < n_arrivals and (not events or arrivals[next_arrival].arrival <= events[0][0]):
+                req = arrivals[next_arrival]
+                next_arrival += 1
+                self._next_arrival = arrivals[next_arrival].arrival if next_arrival < n_arrivals else math.inf
+                now = req.arrival
+                self._arrive(req, now)
+                continue
+            now, _, kind, obj = pop(events)
+            if kind == 1:
                 self._step_done(obj, now)
             elif kind == 2:
                 self._kv_done(obj, now)
@@ -285,7 +296,12 @@ class Simulator:
         view.worker.finish_step()
         if view.worker.role != "prefill":
             self._admit_queued_pages(view, now)
-        self._kick(view, now)
+        if (not view.kick_pending and not view.worker.busy and self._next_arrival > now
+                and (not self._events or self._events[0][0] > now)):
+            # nothing else happens at this instant: the kick would be the very next event
+            self._start_step(view, now)
+        else:
+            self._kick(view, now)
 
     # ---- the end of a request ----------------------------------------------------------------
     def _finish(self, req: SimRequest, now: float) -> None:
@@ -311,12 +327,12 @@ class Simulator:
         if r.error or not r.token_times:
             rec.error = r.error or "NOT_FINISHED"
             return rec
-        times = [t + c.first_token_delay_s for t in r.token_times]
+        delay, start = c.first_token_delay_s, r.arrival
         rec.ok = True
-        rec.chunk_times_s = [t - r.arrival for t in times]
+        rec.chunk_times_s = [t + delay - start for t in r.token_times]
         rec.ttft_s = rec.chunk_times_s[0]
         rec.e2e_s = rec.chunk_times_s[-1]
-        rec.output_tokens = len(times)
+        rec.output_tokens = len(r.token_times)
         rec.cached_tokens = max(r.cached, 0)
         rec.server = {"queue_s": r.admitted - r.arrival, "prefill_s": r.first_token - r.prefill_start,
                       "transfer_s": (r.kv_done - r.first_token) if r.kv_done >= 0 else 0.0,
