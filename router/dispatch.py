@@ -136,6 +136,23 @@ class Dispatcher:
     def _candidates(self, ids, exclude=()) -> list[WorkerView]:
         return [self.views[w] for w in ids if w not in exclude and self.views[w].healthy]
 
+    def _decode_candidates(self, req: PreparedRequest) -> list[WorkerView]:
+        """The healthy decode (or colocated) workers, or only the one the request pins."""
+        pin = req.decode_worker
+        if not pin:
+            decodes = self._candidates(self.decodes)
+            if not decodes:
+                raise RequestError("no healthy decode worker", grpc.StatusCode.UNAVAILABLE)
+            return decodes
+        if pin not in self.decodes:
+            shown = pin if len(pin) <= 64 else pin[:64] + "..."
+            raise RequestError(f"decode_worker must be empty or one of {sorted(self.decodes)}, got {shown!r}")
+        view = self.views[pin]
+        if not view.healthy:
+            raise RequestError(f"decode_worker {pin!r} is unhealthy: {view.error or 'no detail'}",
+                               grpc.StatusCode.UNAVAILABLE)
+        return [view]
+
     # ---- one request ----------------------------------------------------------------------
     async def generate(self, req: PreparedRequest, stats: RequestStats) -> AsyncIterator[Chunk]:
         stats.prompt_tokens = len(req.prompt_token_ids)
@@ -184,10 +201,7 @@ class Dispatcher:
         while True:
             stats.attempts += 1
             rid = req.request_id if stats.attempts == 1 else f"{req.request_id}~{stats.attempts - 1}"
-            decodes = self._candidates(self.decodes)
-            if not decodes:
-                raise RequestError("no healthy decode worker", grpc.StatusCode.UNAVAILABLE)
-            dview = self.policy.place(decodes, req.block_hashes)
+            dview = self.policy.place(self._decode_candidates(req), req.block_hashes)
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
             # Counted before the admit is awaited: a worker answers between engine steps, so a

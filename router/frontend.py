@@ -45,6 +45,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     block_hashes: list[int]
+    decode_worker: str = ""  # pinned by the client; checked against the cluster by the dispatcher
 
 
 class Frontend:
@@ -189,4 +190,4 @@ class Frontend:
                                f"{request.request_id[:40]!r}")
         ids, _ = self.tokens_of(request)
         params = self.sampling_params(request.sampling, len(ids))
-        return PreparedRequest(rid, ids, params, page_hashes(ids, self.hash_page_size))
+        return PreparedRequest(rid, ids, params, page_hashes(ids, self.hash_page_size), request.decode_worker)

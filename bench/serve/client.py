@@ -30,6 +30,13 @@ async def model_info(address: str, timeout_s: float = 10.0) -> pb.ModelInfoRespo
         return await pb_grpc.InferenceStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=timeout_s)
 
 
+async def decode_worker_ids(address: str, timeout_s: float = 10.0) -> list[str]:
+    """Ids of the cluster's decode and colocated workers (what GenerateRequest.decode_worker takes)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        st = await pb_grpc.InferenceStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout_s)
+    return [w.worker_id for w in st.workers if w.role in ("decode", "colocated")]
+
+
 async def run_benchmark(address: str, workload: Workload, *, max_concurrency: int | None = None,
                         progress: bool = True, timeout_s: float = 600.0,
                         run_tag: str = "bench") -> tuple[list[RequestRecord], float, Timeline]:
@@ -76,7 +83,8 @@ async def run_benchmark(address: str, workload: Workload, *, max_concurrency: in
 async def _send(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, timeout_s: float,
                 request_id: str) -> RequestRecord:
     sampling = pb.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-    msg = pb.GenerateRequest(request_id=request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling)
+    msg = pb.GenerateRequest(request_id=request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                             decode_worker=req.decode_worker)
     start = time.perf_counter()
     rec = RequestRecord(index=req.index, request_id=request_id, scheduled_s=req.arrival_s, start_s=start - t0,
                         prompt_len=req.prompt_len, max_tokens=req.output_len)

@@ -39,6 +39,7 @@ class WorkloadRequest:
     output_len: int
     prefix_blocks: tuple[int, ...] = ()  # shared-prefix block ids (Mooncake hash_ids)
     prompt_token_ids: list[int] | None = None
+    decode_worker: str = ""  # pin to this decode (or colocated) worker; empty: the router places it
 
 
 @dataclass

@@ -13,10 +13,14 @@ measurement (`CALIBRATE`) on each case's own cluster right before the case:
   prefix c; the served TTFT of short prompts minus the engine's prefill step time is the
   first token's fixed delay (router, Ray and gRPC latency, which does not occupy the worker),
   and longer prompts say how far the engine profile's prefill has drifted since;
-- decode: b equal streams at once; the mean gap between chunks while all b decode is the
-  served decode step, fitted as d0 + d1*b + d2*context like the engine's; a lone stream's
-  first gap, less one step and the transfer's last layer, is the KV hand-off (completion
-  notice, the decode loop noticing it);
+- decode: b equal streams at once, pinned to one decode (or colocated) worker while the others
+  idle, the workers taking turns shape by shape; the mean gap between chunks while all b
+  decode is the served decode step, fitted as d0 + d1*b + d2*context like the engine's; a
+  lone stream's first gap, less one step and the transfer's last layer, is the KV hand-off
+  (completion notice, the decode loop noticing it). One worker at a time, because streams on
+  every worker at once carried the workers' mutual slow-down into every point (two workers
+  and the router on two cores), while a light workload mostly decodes on one worker at a time;
+  a neighbour's prefill, which does slow a worker, is measured apart (interference);
 - busy admission: short prompts' TTFT while a decode stream runs, over an idle TTFT (the
   worker takes calls between steps, and its engine thread holds the GIL in between);
 - interference: a stream's gaps while another worker on the machine prefills long prompts,
@@ -80,14 +84,18 @@ def fits(grid: dict, max_model_len: int) -> dict:
     return out
 
 
-def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = FULL, seed: int = 1,
-                    workers: int = 1) -> dict:
+def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = FULL, seed: int = 1) -> dict:
     """Points measured against the router at `address`: prefill (t, c, served TTFT s) and
-    decode (b, context, served step s) per decode worker; with `workers` decode (or
-    colocated) workers, b streams per worker are sent at once and grouped by placement.
-    Shapes that do not fit `max_model_len` (the server's) are left out."""
+    decode (b, context, served step s) on one decode (or colocated) worker at a time, pinned
+    by `GenerateRequest.decode_worker`. Shapes that do not fit `max_model_len` (the server's)
+    are left out."""
+    from bench.serve.client import decode_worker_ids
+
     rng = random.Random(seed)
     grid = fits(grid, max_model_len)
+    targets = asyncio.run(decode_worker_ids(address))
+    if not targets:
+        raise RuntimeError(f"the cluster at {address} reports no decode or colocated worker")
     prefill = []
     # one untimed round first, then the timed rounds shape after shape: a freshly started
     # cluster is still settling (in one calibration its 1,984-token prompts took 940 ms twice in
@@ -105,23 +113,23 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     decode, first_gaps = [], []
     k = grid["decode_tokens"]
     lo, hi = k // 3, 2 * k // 3
-    for b in tqdm(grid["batch"], desc="served decode", leave=False):
-        for L in grid["ctx"]:
-            reqs = [WorkloadRequest(i, 0.0, L, k, prompt_token_ids=_ids(rng, L, vocab)) for i in range(b * workers)]
-            by_worker: dict[str, list] = {}
-            for r in _run(address, reqs, None):
-                by_worker.setdefault(r.server.get("decode_worker", ""), []).append(r)
-            for recs in by_worker.values():
-                # the middle third of the streams: all of this worker's requests decode then.
-                # The mean, not the median: TPOT is a mean of gaps, and the occasional slow
-                # step (the process shares its core and GIL with output streaming) is part of it.
-                gaps = [g for r in recs for g in r.itls_s[lo:hi]]
-                decode.append((len(recs), len(recs) * (L + (lo + hi) // 2), statistics.fmean(gaps)))
-                if len(recs) == 1:  # alone: first token -> second is transfer, hand-off, one step
-                    first_gaps.append((L, recs[0].itls_s[0]))
+    shapes = [(b, L) for b in grid["batch"] for L in grid["ctx"]]
+    for n, (b, L) in enumerate(tqdm(shapes, desc="served decode", leave=False)):
+        target = targets[n % len(targets)]
+        reqs = [WorkloadRequest(i, 0.0, L, k, prompt_token_ids=_ids(rng, L, vocab), decode_worker=target)
+                for i in range(b)]
+        recs = _run(address, reqs, None)
+        # the middle third of the streams: all of them decode then. The mean, not the median:
+        # TPOT is a mean of gaps, and the occasional slow step (the process shares its core and
+        # GIL with output streaming) is part of it.
+        gaps = [g for r in recs for g in r.itls_s[lo:hi]]
+        decode.append((b, b * (L + (lo + hi) // 2), statistics.fmean(gaps)))
+        if b == 1:  # alone: first token -> second is transfer, hand-off, one step
+            first_gaps.append((L, recs[0].itls_s[0]))
     interference = busy = None
     if grid.get("interference"):
-        interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2))
+        interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2),
+                                            stream_on=targets[0], prefill_on=targets[-1])
         busy = measure_busy_ttft(address, vocab, rng)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
             "busy_ttft": busy}
@@ -137,18 +145,19 @@ def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int 
     return [r.ttft_s for r in _run(address, reqs, None)[1:]]
 
 
-def measure_interference(address: str, vocab: int, rng: random.Random, long_prompt: int = 1536) -> dict:
+def measure_interference(address: str, vocab: int, rng: random.Random, long_prompt: int = 1536,
+                         stream_on: str = "", prefill_on: str = "") -> dict:
     """How much a worker's steps slow down while another worker on this machine is busy: one
-    decode stream runs while long prompts are prefilled elsewhere (by the prefill worker, or,
-    colocated, by the idle worker the router picks); the stream's gaps ending inside a
+    decode stream runs (on `stream_on`) while long prompts are prefilled elsewhere (by the
+    prefill worker, or, colocated, by `prefill_on`); the stream's gaps ending inside a
     prefill's window against those outside. Returns {inside_s, outside_s, factor, gaps_inside}.
     The stream outlasts every window even at 10 ms a step (it was 160 tokens against windows
     2.2 s apart: on a fast model the second window came after the stream had ended, and the
     factor rested on one prefill, 0.0 to 0.36 between runs)."""
     k = 400
-    streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab))]
-    longs = [WorkloadRequest(1 + j, 0.5 + 1.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab))
-             for j in range(3)]
+    streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab), decode_worker=stream_on)]
+    longs = [WorkloadRequest(1 + j, 0.5 + 1.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab),
+                             decode_worker=prefill_on) for j in range(3)]
     records = _run(address, streams + longs, None)
     windows = [(r.start_s, r.start_s + r.ttft_s) for r in records[1:]]
     inside, outside = [], []

@@ -121,10 +121,8 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
         info = asyncio.run(model_info(address))
         cal = {}
         if calibrate:
-            workers = case.decode
             points = serving_profile.measure_serving(address, info.vocab_size, info.max_model_len,
-                                                     serving_profile.CALIBRATE,
-                                                     seed=1000 + salt, workers=workers)
+                                                     serving_profile.CALIBRATE, seed=1000 + salt)
             lm, cal = serving_profile.calibrate(lm, points)
             cal["points"] = points
         pred = predict(case, lm, model, dtype, transport, max_model_len)

@@ -81,3 +81,30 @@ def test_a_burst_of_prompts_is_spread_over_colocated_workers(colocated):
     assert placed == ["colocated-0"] * 3 + ["colocated-1"] * 3
     for w in workers:
         assert w.core.num_free_pages == w.core.num_pages
+
+
+@pytest.mark.parametrize("colocated", ["prefix-aware"], indirect=True)
+def test_a_request_pinned_to_a_worker_is_placed_there_and_a_bad_pin_is_refused(colocated):
+    """GenerateRequest.decode_worker overrides the policy (which would spread these four over
+    both workers); an unknown id is INVALID_ARGUMENT naming the field and the allowed ids, and
+    the router goes on serving."""
+    import grpc
+
+    server, workers = colocated
+    s = stub(server)
+    prompts = random_prompts([30] * 4, 256, seed=25)
+    placed = []
+    for p in prompts:
+        _, _, last = collect(s, pb.GenerateRequest(prompt_token_ids=p, decode_worker="colocated-1",
+                                                   sampling=S(max_tokens=3, temperature=0, ignore_eos=True)))
+        placed.append(last.placement.decode_worker)
+    assert placed == ["colocated-1"] * 4
+    with pytest.raises(grpc.RpcError) as err:
+        collect(s, pb.GenerateRequest(prompt_token_ids=prompts[0], decode_worker="colocated-7",
+                                      sampling=S(max_tokens=3)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "decode_worker" in err.value.details() and "'colocated-0', 'colocated-1'" in err.value.details()
+    fresh = random_prompts([30], 256, seed=26)[0]
+    assert ask(server, fresh)[0] == "colocated-0"  # unpinned: the policy again (colocated-1 has placed 4)
+    for w in workers:
+        assert w.core.num_free_pages == w.core.num_pages

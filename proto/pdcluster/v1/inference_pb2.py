@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/pdcluster/v1/inference.proto\x12\x0cpdcluster.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"`\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\"c\n\tPlacement\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.pdcluster.v1.Timings\x12*\n\tplacement\x18\x07 \x01(\x0b\x32\x17.pdcluster.v1.Placement\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xb0\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x16\n\x0ehash_page_size\x18\x07 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xbe\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x15\n\rqueued_tokens\x18\t \x01(\x04\x12\x1d\n\x15transferring_requests\x18\n \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x17\n\x0frequests_placed\x18\r \x01(\x04\x12\r\n\x05\x65rror\x18\x0e \x01(\t\"\xe3\x01\n\x15\x43lusterStatusResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x19\n\x11inflight_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x11\n\tmax_queue\x18\x06 \x01(\r\x12\x17\n\x0frequests_served\x18\x07 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\"N\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"7\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t2\xcb\x02\n\tInference\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12L\n\tModelInfo\x12\x1e.pdcluster.v1.ModelInfoRequest\x1a\x1f.pdcluster.v1.ModelInfoResponse\x12X\n\rClusterStatus\x12\".pdcluster.v1.ClusterStatusRequest\x1a#.pdcluster.v1.ClusterStatusResponse\x12I\n\x08Tokenize\x12\x1d.pdcluster.v1.TokenizeRequest\x1a\x1e.pdcluster.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/pdcluster/v1/inference.proto\x12\x0cpdcluster.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"`\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\"c\n\tPlacement\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.pdcluster.v1.Timings\x12*\n\tplacement\x18\x07 \x01(\x0b\x32\x17.pdcluster.v1.Placement\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.pdcluster.v1.TokenLogprob\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pdcluster.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xb0\x01\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x16\n\x0ehash_page_size\x18\x07 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\xbe\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x12\n\nfree_pages\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\x12\x18\n\x10waiting_requests\x18\x08 \x01(\r\x12\x15\n\rqueued_tokens\x18\t \x01(\x04\x12\x1d\n\x15transferring_requests\x18\n \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x17\n\x0frequests_placed\x18\r \x01(\x04\x12\r\n\x05\x65rror\x18\x0e \x01(\t\"\xe3\x01\n\x15\x43lusterStatusResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.pdcluster.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x19\n\x11inflight_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x11\n\tmax_queue\x18\x06 \x01(\r\x12\x17\n\x0frequests_served\x18\x07 \x01(\x04\x12\x17\n\x0frequests_failed\x18\x08 \x01(\x04\"N\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\"7\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08rendered\x18\x02 \x01(\t2\xcb\x02\n\tInference\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12L\n\tModelInfo\x12\x1e.pdcluster.v1.ModelInfoRequest\x1a\x1f.pdcluster.v1.ModelInfoResponse\x12X\n\rClusterStatus\x12\".pdcluster.v1.ClusterStatusRequest\x1a#.pdcluster.v1.ClusterStatusResponse\x12I\n\x08Tokenize\x12\x1d.pdcluster.v1.TokenizeRequest\x1a\x1e.pdcluster.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=99
   _globals['_SAMPLINGPARAMS']._serialized_end=429
   _globals['_GENERATEREQUEST']._serialized_start=432
-  _globals['_GENERATEREQUEST']._serialized_end=604
-  _globals['_USAGE']._serialized_start=606
-  _globals['_USAGE']._serialized_end=693
-  _globals['_TIMINGS']._serialized_start=695
-  _globals['_TIMINGS']._serialized_end=791
-  _globals['_PLACEMENT']._serialized_start=793
-  _globals['_PLACEMENT']._serialized_end=892
-  _globals['_GENERATERESPONSE']._serialized_start=895
-  _globals['_GENERATERESPONSE']._serialized_end=1155
-  _globals['_TOKENLOGPROB']._serialized_start=1157
-  _globals['_TOKENLOGPROB']._serialized_end=1259
-  _globals['_TOPLOGPROB']._serialized_start=1261
-  _globals['_TOPLOGPROB']._serialized_end=1308
-  _globals['_MODELINFOREQUEST']._serialized_start=1310
-  _globals['_MODELINFOREQUEST']._serialized_end=1328
-  _globals['_MODELINFORESPONSE']._serialized_start=1331
-  _globals['_MODELINFORESPONSE']._serialized_end=1507
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1509
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1531
-  _globals['_WORKERSTATUS']._serialized_start=1534
-  _globals['_WORKERSTATUS']._serialized_end=1852
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1855
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2082
-  _globals['_TOKENIZEREQUEST']._serialized_start=2084
-  _globals['_TOKENIZEREQUEST']._serialized_end=2162
-  _globals['_TOKENIZERESPONSE']._serialized_start=2164
-  _globals['_TOKENIZERESPONSE']._serialized_end=2219
-  _globals['_INFERENCE']._serialized_start=2222
-  _globals['_INFERENCE']._serialized_end=2553
+  _globals['_GENERATEREQUEST']._serialized_end=627
+  _globals['_USAGE']._serialized_start=629
+  _globals['_USAGE']._serialized_end=716
+  _globals['_TIMINGS']._serialized_start=718
+  _globals['_TIMINGS']._serialized_end=814
+  _globals['_PLACEMENT']._serialized_start=816
+  _globals['_PLACEMENT']._serialized_end=915
+  _globals['_GENERATERESPONSE']._serialized_start=918
+  _globals['_GENERATERESPONSE']._serialized_end=1178
+  _globals['_TOKENLOGPROB']._serialized_start=1180
+  _globals['_TOKENLOGPROB']._serialized_end=1282
+  _globals['_TOPLOGPROB']._serialized_start=1284
+  _globals['_TOPLOGPROB']._serialized_end=1331
+  _globals['_MODELINFOREQUEST']._serialized_start=1333
+  _globals['_MODELINFOREQUEST']._serialized_end=1351
+  _globals['_MODELINFORESPONSE']._serialized_start=1354
+  _globals['_MODELINFORESPONSE']._serialized_end=1530
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1532
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1554
+  _globals['_WORKERSTATUS']._serialized_start=1557
+  _globals['_WORKERSTATUS']._serialized_end=1875
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1878
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2105
+  _globals['_TOKENIZEREQUEST']._serialized_start=2107
+  _globals['_TOKENIZEREQUEST']._serialized_end=2185
+  _globals['_TOKENIZERESPONSE']._serialized_start=2187
+  _globals['_TOKENIZERESPONSE']._serialized_end=2242
+  _globals['_INFERENCE']._serialized_start=2245
+  _globals['_INFERENCE']._serialized_end=2576
 # @@protoc_insertion_point(module_scope)
