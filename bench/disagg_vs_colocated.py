@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="disagg-vs-colocated.json")
     p.add_argument("--plot", default=None, help="write PNGs here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="predict instead of measuring: run both arms in `plan simulate`'s simulator with this "
+                        "profile (`plan profile --serving`), on exactly the same requests; no cluster is started")
 
 
 DEFAULT_SLOS = {"stall-free stream (TTFT<=8s, every gap<=250ms)": {"ttft": 8000.0, "itl": 250.0},
@@ -94,58 +97,98 @@ def _pick(summary: dict, metric: str, stat: str) -> float | None:
     return None if v is None else float(v)
 
 
+def _workload(args: argparse.Namespace, rate: float, index: int, max_model_len: int, vocab_size: int | None):
+    """The rate's requests: the trace's first requests, its own arrival pattern (its bursts)
+    stretched to `rate`, and fresh prompt tokens per rate (a cluster serves every rate, and
+    repeating the previous rate's prompts would turn the next one into prefix-cache hits). The
+    simulator needs no tokens (vocab_size None): it sees a prompt's length and prefix blocks."""
+    from bench.serve.workloads import build_workload, materialize_prompts
+
+    wl = build_workload(args.dataset, num_requests=args.num_requests, length_scale=args.length_scale,
+                        max_model_len=max_model_len, seed=args.seed)
+    span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
+    stretch = (len(wl.requests) - 1) / rate / span if span > 0 else 1.0
+    for r in wl.requests:
+        r.arrival_s *= stretch
+    if vocab_size is not None:
+        materialize_prompts(wl, vocab_size, seed=args.seed + 1000 * index)
+    return wl
+
+
+def _entry(arm: str, rate: float, records, duration: float, timeline, slos: dict) -> dict:
+    from bench.serve.metrics import summarize
+
+    return {"arm": arm, "rate": rate, "duration_s": duration,
+            "summary": summarize(records, duration, percentiles=(50, 90, 99)),
+            "goodput": {name: summarize(records, duration, percentiles=(50, 90, 99), slo=slo)["goodput"]
+                        for name, slo in slos.items()},
+            "records": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in records],
+            "timeline": timeline}
+
+
+def _simulate_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> list[dict]:
+    """Both arms in the simulator, configured as `_arm_config` starts them, on the same requests."""
+    from cluster.planning.latency import LatencyModel
+    from cluster.planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
+    from cluster.planning.simulator import simulate
+
+    profile = LatencyModel.load(args.simulate)
+    max_len = int(profile.meta.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+    results = []
+    for arm in ("disaggregated", "colocated"):
+        cluster = sim_cluster(_arm_config(arm, args.model, args.dtype, args.transport), profile=profile,
+                              max_model_len=max_len)
+        for i, rate in enumerate(rates):
+            res = simulate(cluster, _workload(args, rate, i, max_len, None))
+            results.append(_entry(arm, rate, res.records, res.duration_s, res.timeline, slos))
+            _print_point(results[-1])
+    return results
+
+
+def _print_point(entry: dict) -> None:
+    s, arm, rate = entry["summary"], entry["arm"], entry["rate"]
+    print(f"[{arm}] rate {rate}: ttft p50 {_ms(_pick(s, 'ttft', 'median'))} p99 "
+          f"{_ms(_pick(s, 'ttft', 'p99'))}  itl p50 {_ms(_pick(s, 'itl', 'median'))} p99 "
+          f"{_ms(_pick(s, 'itl', 'p99'))}  failed {s.get('failed')}", flush=True)
+    for code, details in s["error_details"].items():  # a failure's cause, not just its code
+        for detail, n in details.items():
+            print(f"[{arm}] rate {rate}: {n} x {code}: {detail}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.serve.client import run_benchmark
-    from bench.serve.metrics import summarize
-    from bench.serve.workloads import build_workload, materialize_prompts
     from cluster.runtime import Cluster
 
     rates = [float(r) for r in args.rates.split(",")]
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--rates must be positive request rates, got {args.rates!r}")
     slos = _parse_slos(args.slo)
     results: list[dict] = []
     t_start = time.time()
-    for arm in ("disaggregated", "colocated"):
+    if args.simulate:
+        results = _simulate_arms(args, rates, slos)
+    for arm in () if args.simulate else ("disaggregated", "colocated"):
         cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport))
         address = cluster.start()
         try:
             info = _model_info(address)
             print(f"[{arm}] serving on {address}", flush=True)
             for i, rate in enumerate(rates):
-                wl = build_workload(args.dataset, num_requests=args.num_requests, length_scale=args.length_scale,
-                                    max_model_len=info.max_model_len, seed=args.seed)
-                # Keep the trace's own arrival pattern (its bursts), stretched to the target rate.
-                span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
-                stretch = (len(wl.requests) - 1) / rate / span if span > 0 else 1.0
-                for r in wl.requests:
-                    r.arrival_s *= stretch
-                # New prompt tokens per rate: a cluster serves every rate, and repeating the
-                # previous rate's prompts would turn the next one into prefix-cache hits.
-                materialize_prompts(wl, info.vocab_size, seed=args.seed + 1000 * i)
+                wl = _workload(args, rate, i, info.max_model_len, info.vocab_size)
                 records, duration, timeline = asyncio.run(run_benchmark(address, wl, progress=False))
-                entry = {"arm": arm, "rate": rate, "duration_s": duration,
-                         "summary": summarize(records, duration, percentiles=(50, 90, 99)),
-                         "goodput": {name: summarize(records, duration, percentiles=(50, 90, 99), slo=slo)
-                                     ["goodput"] for name, slo in slos.items()},
-                         "records": [r.__dict__ if hasattr(r, "__dict__") else _asdict(r) for r in records],
-                         "timeline": timeline}
-                results.append(entry)
-                s = entry["summary"]
-                print(f"[{arm}] rate {rate}: ttft p50 {_ms(_pick(s, 'ttft', 'median'))} p99 "
-                      f"{_ms(_pick(s, 'ttft', 'p99'))}  itl p50 {_ms(_pick(s, 'itl', 'median'))} p99 "
-                      f"{_ms(_pick(s, 'itl', 'p99'))}  failed {s.get('failed')}", flush=True)
-                for code, details in s["error_details"].items():  # a failure's cause, not just its code
-                    for detail, n in details.items():
-                        print(f"[{arm}] rate {rate}: {n} x {code}: {detail}", flush=True)
+                results.append(_entry(arm, rate, records, duration, timeline, slos))
+                _print_point(results[-1])
                 if args.plot:
                     from bench.serve.report import write_plots
 
-                    write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, timeline)
+                    write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, results[-1]["timeline"])
         finally:
             cluster.stop()
     table = _table(results, rates, slos)
     print(table)
     ratios = _ratios(results, rates, slos)
-    out = {"config": vars(args) | {"slos": slos}, "host": platform.node(), "wall_s": time.time() - t_start,
+    out = {"config": vars(args) | {"slos": slos, "simulated": bool(args.simulate)}, "host": platform.node(),
+           "wall_s": time.time() - t_start,
            "ratios": ratios, "runs": results}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps(ratios, indent=1))

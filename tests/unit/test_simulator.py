@@ -195,3 +195,26 @@ def test_a_prefill_slows_a_worker_sharing_its_host_only_while_it_runs():
     assert all(g == pytest.approx(0.015) for g in slow)
     assert len(slow) == pytest.approx(1.0 / 0.015, abs=2)  # the prefill's 1 s, no more
     assert shared[0].itls_s[0] == pytest.approx(alone[0].itls_s[0] + 0.005)
+
+
+@pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
+def test_disagg_vs_colocated_predicted_shows_colocated_prefill_stalls(tmp_path, capsys):
+    """`bench disagg-vs-colocated --simulate` runs both arms on the same requests without a
+    cluster. With prefill at 1 ms a token, a colocated worker's long prompt freezes its streams
+    for about a second, so the colocated ITL tail is far above the disaggregated one."""
+    from cluster.cli import main
+
+    prof = tmp_path / "prof.json"
+    LatencyModel(prefill=(0.01, 1e-3, 0, 0), decode=(0.02, 1e-3, 0), kv_bytes_per_token=4096, num_layers=4,
+                 meta={"max_model_len": 2048}).save(prof)
+    out = tmp_path / "dvc.json"
+    rc = main(["bench", "disagg-vs-colocated", "--simulate", str(prof), "--model", "tiny", "--dtype", "float32",
+               "--rates", "0.5,1", "--num-requests", "24", "--json", str(out)])
+    assert rc == 0
+    assert "[colocated] rate 1.0" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["config"]["simulated"] is True
+    assert sorted((r["arm"], r["rate"]) for r in doc["runs"]) == [
+        ("colocated", 0.5), ("colocated", 1.0), ("disaggregated", 0.5), ("disaggregated", 1.0)]
+    assert all(r["summary"]["completed"] == 24 and r["summary"]["failed"] == 0 for r in doc["runs"])
+    assert doc["ratios"]["rate"] == 1.0 and doc["ratios"]["itl_p99_disagg_over_colocated"] < 0.5
