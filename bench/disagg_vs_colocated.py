@@ -155,19 +155,13 @@ def _print_point(entry: dict) -> None:
             print(f"[{arm}] rate {rate}: {n} x {code}: {detail}", flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
+def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> list[dict]:
+    """Both arms on real local clusters, one after the other, on the same requests."""
     from bench.serve.client import run_benchmark
     from cluster.runtime import Cluster
 
-    rates = [float(r) for r in args.rates.split(",")]
-    if not rates or min(rates) <= 0:
-        raise SystemExit(f"--rates must be positive request rates, got {args.rates!r}")
-    slos = _parse_slos(args.slo)
-    results: list[dict] = []
-    t_start = time.time()
-    if args.simulate:
-        results = _simulate_arms(args, rates, slos)
-    for arm in () if args.simulate else ("disaggregated", "colocated"):
+    results = []
+    for arm in ("disaggregated", "colocated"):
         cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport))
         address = cluster.start()
         try:
@@ -181,9 +175,19 @@ def run(args: argparse.Namespace) -> int:
                 if args.plot:
                     from bench.serve.report import write_plots
 
-                    write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, results[-1]["timeline"])
+                    write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, timeline)
         finally:
             cluster.stop()
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = [float(r) for r in args.rates.split(",")]
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--rates must be positive request rates, got {args.rates!r}")
+    slos = _parse_slos(args.slo)
+    t_start = time.time()
+    results = _simulate_arms(args, rates, slos) if args.simulate else _measure_arms(args, rates, slos)
     table = _table(results, rates, slos)
     print(table)
     ratios = _ratios(results, rates, slos)
