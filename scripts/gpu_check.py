@@ -4,7 +4,11 @@
     per backend, against the HBM floor: bytes of weights + KV read per step / HBM bandwidth;
 (ii) prefill of 1,024..8,192 tokens (sequences of at most max_position_embeddings tokens)
     against the FLOP ceiling: (2 * params * tokens + causal attention FLOPs) / dense bf16 peak;
-(iii) the attention kernel alone (FlashInfer wrapper `run`) vs torch SDPA on the same shapes.
+(iii) the attention kernel alone (FlashInfer wrapper `run`) vs torch SDPA on the same shapes;
+(iv) the whole engine (`LLM.generate`: scheduler, runner, sampler) decoding 64 and 1 sequences,
+    per step, against (i): the difference is the per-step overhead that the planner's roofline
+    (`cluster.planning.roofline.Roofline.overhead_s`) guesses at 2 ms.
+Rows (i) and (ii) also carry the roofline's prediction for the same shape on an H200, and its error.
 Times are medians of CUDA-event timed repeats after warm-ups. Each section is guarded, so one
 failure still leaves the rest of the table and the JSON.
 
@@ -29,6 +33,8 @@ from engine.builtin import ensure_builtin  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model_runner import allocate_kv_caches  # noqa: E402
+from cluster.planning.hardware import get_gpu  # noqa: E402
+from cluster.planning.roofline import Roofline  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12  # datasheet
 H200_BF16_DENSE_FLOPS = 989e12  # datasheet, dense
@@ -79,8 +85,9 @@ class Bench:
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": str(self.model_dir.name),
             "params": self.params, "layers": cfg.num_layers, "heads": [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim],
             "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "bf16_dense_flops": H200_BF16_DENSE_FLOPS,
-            "decode": [], "prefill": [], "kernel": [], "errors": [],
+            "decode": [], "prefill": [], "kernel": [], "engine": [], "errors": [],
         }
+        self.roofline = Roofline(cfg, get_gpu("H200"))
         try:
             import flashinfer
 
@@ -135,7 +142,8 @@ class Bench:
         positions = torch.full((batch,), context - 1, device=DEV)
         weight_bytes = (self.params - self.embed_params) * 2 + batch * self.cfg.hidden_size * 2
         floor = (weight_bytes + self.kv_bytes(batch * context)) / H200_HBM_BYTES_PER_S
-        row = {"batch": batch, "context": context, "hbm_floor_s": floor}
+        row = {"batch": batch, "context": context, "hbm_floor_s": floor,
+               "roofline_s": self.roofline.decode_time(batch, batch * context)}
         for name in self.backends:
             t, first = self.step(name, layout, ids, positions, caches, list(range(batch)))
             row[f"{name}_s"], row[f"{name}_first_call_s"], row[f"{name}_of_floor"] = t, first, floor / t
@@ -153,7 +161,9 @@ class Bench:
         flops = 2 * (self.params - self.embed_params) * tokens + attn_flops
         ceiling = flops / H200_BF16_DENSE_FLOPS
         rows = list(torch.tensor(lens).cumsum(0).sub(1).tolist())
-        row = {"tokens": tokens, "seq_len": seq, "flops": flops, "flop_ceiling_s": ceiling}
+        row = {"tokens": tokens, "seq_len": seq, "flops": flops, "flop_ceiling_s": ceiling,
+               "roofline_s": sum(self.roofline.prefill_time(n) for n in lens) - (len(lens) - 1) * (
+                   self.roofline.overhead_s + 4 * c.num_layers * self.roofline.gemm_launch_s)}
         for name in self.backends:
             t, first = self.step(name, layout, ids, positions, caches, rows)
             row[f"{name}_s"], row[f"{name}_first_call_s"] = t, first
@@ -184,25 +194,55 @@ class Bench:
         self.results["kernel"].append(row)
 
 
+    def engine(self, batch: int, prompt_len: int = 512, out_len: int = 128) -> None:
+        """Decode time per step of the whole engine: generate(out_len) minus generate(1), over out_len - 1."""
+        from engine import LLM, SamplingParams
+
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(3, self.cfg.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        row = {"batch": batch, "prompt_len": prompt_len, "out_len": out_len}
+        for name in self.backends:
+            # no prefix caching: the second generate of the same prompts must prefill them again
+            llm = LLM(self.model_dir, dtype=DTYPE, device=DEV, attention_backend=name, enable_prefix_caching=False)
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+            times = {}
+            for n in (1, out_len):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                torch.cuda.synchronize()
+                times[n] = time.perf_counter() - t0
+            step = (times[out_len] - times[1]) / (out_len - 1)
+            row[f"{name}_step_s"], row[f"{name}_prefill_s"] = step, times[1]
+            del llm
+            torch.cuda.empty_cache()
+        self.results["engine"].append(row)
+
+
 def print_table(r: dict) -> None:
     print(f"\n== gpu_check: {r['device']}, torch {r['torch']}, flashinfer {r['flashinfer']}, "
           f"{r['model']} ({r['params'] / 1e6:.0f}M params)")
-    print("\n(i) decode step, context 2k            floor    torch (x floor)       flashinfer (x floor)")
+    print("\n(i) decode step, context 2k            floor    torch (x floor)       flashinfer (x floor)  roofline")
     for d in r["decode"]:
         fi = f"{d['flashinfer_s'] * 1e3:8.3f} ms ({d['flashinfer_s'] / d['hbm_floor_s']:5.1f}x)" if "flashinfer_s" in d else "-"
         print(f"    batch {d['batch']:3d}                     {d['hbm_floor_s'] * 1e3:7.3f} ms "
-              f"{d['torch_s'] * 1e3:8.3f} ms ({d['torch_s'] / d['hbm_floor_s']:5.1f}x)  {fi}")
-    print("\n(ii) prefill                           ceiling  torch (TFLOP/s)       flashinfer (TFLOP/s)")
+              f"{d['torch_s'] * 1e3:8.3f} ms ({d['torch_s'] / d['hbm_floor_s']:5.1f}x)  {fi}  {d['roofline_s'] * 1e3:7.3f} ms")
+    print("\n(ii) prefill                           ceiling  torch (TFLOP/s)       flashinfer (TFLOP/s)  roofline")
     for p in r["prefill"]:
         fi = f"{p['flashinfer_s'] * 1e3:8.3f} ms ({p['flashinfer_tflops']:5.0f})" if "flashinfer_s" in p else "-"
         print(f"    {p['tokens']:5d} tokens (seq {p['seq_len']:4d})       {p['flop_ceiling_s'] * 1e3:7.3f} ms "
-              f"{p['torch_s'] * 1e3:8.3f} ms ({p['torch_tflops']:5.0f})  {fi}")
+              f"{p['torch_s'] * 1e3:8.3f} ms ({p['torch_tflops']:5.0f})  {fi}  {p['roofline_s'] * 1e3:7.3f} ms")
     print("\n(iii) attention kernel, one layer       SDPA (GB/s of KV)     flashinfer (GB/s)     SDPA/flashinfer")
     for k in r["kernel"]:
         fi = (f"{k['flashinfer_s'] * 1e6:8.1f} us ({k['flashinfer_gb_per_s']:6.0f})   {k['sdpa_over_flashinfer']:5.2f}x"
               if "flashinfer_s" in k else "-")
         print(f"    {k['kind']:7s} b{k['batch']:<3d} q{k['q_len']:<5d} ctx {k['context']:5d}  "
               f"{k['sdpa_s'] * 1e6:8.1f} us ({k['sdpa_gb_per_s']:6.0f})  {fi}")
+    print("\n(iv) whole engine, 512-token prompts   per decode step (ms)    prefill of the batch (ms)")
+    for e in r["engine"]:
+        cols = "  ".join(f"{k[:-7]} {e[k] * 1e3:8.3f}" for k in e if k.endswith("_step_s"))
+        pre = "  ".join(f"{k[:-10]} {e[k] * 1e3:8.1f}" for k in e if k.endswith("_prefill_s"))
+        print(f"    batch {e['batch']:3d}                    {cols}    {pre}")
     for e in r["errors"]:
         print(f"  ! {e}")
 
@@ -223,6 +263,8 @@ def main() -> int:
     b.guarded("kernel decode", lambda: b.kernel("decode", 64, 1, 2048))
     b.guarded("kernel decode", lambda: b.kernel("decode", 1, 1, 8192))
     b.guarded("kernel prefill", lambda: b.kernel("prefill", 1, 4096, 4096))
+    for batch in (64, 1):
+        b.guarded(f"engine batch {batch}", lambda: b.engine(batch))
     print_table(b.results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ within the dtype's tolerance of `TorchAttentionBackend`, and byte-identical cach
 Engine level: `LLM(..., attention_backend="flashinfer")` and `"torch"` give the same greedy
 tokens. The one divergence allowed: a sequence may part ways at a position where a float32
 Hugging Face forward of the common prefix puts its top-2 logits within bf16 noise
-(`BF16_TIE_MARGIN` relative to the top logit); the rest of that sequence is then a different,
-equally valid trajectory and is not compared. Any other difference fails.
+(`BF16_TIE_MARGIN` relative to the top logit); the candidate is then put back on the
+reference's token and compared again from there. Any other difference fails.
 """
 from __future__ import annotations
 
@@ -109,42 +109,64 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def _top2_margin(model, ids: list[int]) -> tuple[float, float]:
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device=CUDA)).logits[0, -1].float()
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1]), float(top[0].abs())
 
 
+def assert_same_greedy_up_to_ties(reference, candidate, hf, prompts, max_tokens: int) -> list[tuple[int, int]]:
+    """Every token `candidate` picks differently from `reference` sits at a float32 near-tie.
+
+    `reference` and `candidate` are LLMs. Where a sequence parts ways, the float32 Hugging Face
+    model `hf` must put its top-2 logits for that position within `BF16_TIE_MARGIN`; the
+    candidate is then forced onto the reference's token (prompt + reference tokens so far) and
+    compared again from there, so the whole reference trajectory is checked, not only up to the
+    first tie. Returns the (sequence, position) of every divergence."""
+    from engine import SamplingParams
+
+    def greedy(llm, prompt_list, n):
+        return [o.token_ids for o in llm.generate(prompt_list, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))]
+
+    ref = greedy(reference, prompts, max_tokens)
+    cand = greedy(candidate, prompts, max_tokens)
+    divergences = []
+    for i, prompt in enumerate(prompts):
+        pos, got = 0, cand[i]
+        while (d := _first_divergence(ref[i][pos:], got)) is not None:
+            at = pos + d
+            margin, top = _top2_margin(hf, list(prompt) + ref[i][:at])
+            assert margin <= BF16_TIE_MARGIN * max(1.0, top), (
+                f"prompt {i} diverges at generated token {at} where the float32 top-2 logits are {margin:.4f} apart "
+                f"(tie threshold {BF16_TIE_MARGIN * max(1.0, top):.4f}): reference {ref[i]} vs candidate "
+                f"{ref[i][:pos] + got}"
+            )
+            divergences.append((i, at))
+            pos = at + 1
+            if pos >= max_tokens:
+                break
+            got = greedy(candidate, [list(prompt) + ref[i][:pos]], max_tokens - pos)[0]
+    return divergences
+
+
 @pytest.mark.parametrize("arch,preset", [("llama", "tiny"), ("qwen3", "tiny"), ("llama", "bench")])
 def test_llm_greedy_tokens_match_torch_backend(arch, preset):
-    from engine import LLM, SamplingParams
+    """On an H200 (2026-12-04) the bench model diverged in 5 of 7 prompts, each at a certified
+    near-tie: its random weights put 23 % of greedy positions within the tie margin (measured in
+    float32 on CPU), so a bound on how many sequences may diverge is no test there. Forcing the
+    candidate back onto the reference after each tie checks every position instead."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
     from engine.builtin import ensure_builtin, model_spec
 
     if model_spec(arch, preset).head_dim not in SUPPORTED_HEAD_DIMS:
         pytest.skip(f"{arch}-{preset} has head_dim {model_spec(arch, preset).head_dim}; "
                     f"FlashInfer kernels support {list(SUPPORTED_HEAD_DIMS)}")
     model_dir = ensure_builtin(arch, preset)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = {}
-    for backend in ("torch", "flashinfer"):
-        # a small token budget forces chunked prefills and decode+prefill mixed steps
-        llm = LLM(model_dir, dtype="bfloat16", device="cuda", attention_backend=backend, max_num_batched_tokens=256)
-        prompts = _prompts(llm.config.vocab_size)
-        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
-
-    diverged = [(i, d) for i, (a, b) in enumerate(zip(outs["torch"], outs["flashinfer"]))
-                if (d := _first_divergence(a, b)) is not None]
-    if not diverged:
-        return
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).to(CUDA).eval()
-    for i, d in diverged:
-        margin, top = _top2_margin(hf, prompts[i] + outs["torch"][i][:d])
-        assert margin <= BF16_TIE_MARGIN * max(1.0, top), (
-            f"prompt {i} diverges at generated token {d} where the float32 top-2 logits are {margin:.4f} apart "
-            f"(tie threshold {BF16_TIE_MARGIN * max(1.0, top):.4f}): torch {outs['torch'][i]} vs "
-            f"flashinfer {outs['flashinfer'][i]}"
-        )
-    assert len(diverged) <= max(1, len(prompts) // 4), f"too many near-tie divergences: {diverged}"
+    # a small token budget forces chunked prefills and decode+prefill mixed steps
+    llms = {b: LLM(model_dir, dtype="bfloat16", device="cuda", attention_backend=b, max_num_batched_tokens=256)
+            for b in ("torch", "flashinfer")}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(CUDA).eval()
+    prompts = _prompts(llms["torch"].config.vocab_size)
+    assert_same_greedy_up_to_ties(llms["torch"], llms["flashinfer"], hf, prompts, max_tokens=24)
+    assert_same_greedy_up_to_ties(llms["flashinfer"], llms["torch"], hf, prompts, max_tokens=24)
