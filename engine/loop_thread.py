@@ -4,6 +4,11 @@ the calls coroutines hand it (`await self._run(fn)`), steps the worker while it 
 passes each step's result to `_on_step`, which subclasses use to resolve futures or feed
 per-request streams. Coroutines never touch the worker, so a model step never blocks the
 event loop.
+
+Without work the thread waits on its call queue: `idle_s` while the worker still has requests
+open (work can appear without a call, e.g. KV arriving from a transfer thread), and `parked_s`
+when it has none (only a call can bring work then, and a call ends the wait at once). An idle
+worker thus wakes 10 times a second instead of 500, which matters on a small shared CPU.
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ T = TypeVar("T")
 
 
 class EngineLoopThread:
-    def __init__(self, worker: Any, name: str, idle_s: float = 0.002) -> None:
-        """Subclasses set up the state `_on_step` uses before calling this: the thread starts here."""
+    def __init__(self, worker: Any, name: str, idle_s: float = 0.002, parked_s: float = 0.1) -> None:
+        """Subclasses set up the state `_on_step` uses before calling this: the thread starts here.
+        A worker without a `has_requests` attribute is never parked."""
         self.worker = worker
-        self._idle_s = idle_s
+        self._idle_s, self._parked_s = idle_s, parked_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -34,6 +40,7 @@ class EngineLoopThread:
 
     def close(self) -> None:
         self._stop.set()
+        self._calls.put((lambda: None, concurrent.futures.Future()))  # end a parked wait now
         self._thread.join(timeout=10)
         self.worker.close()
 
@@ -43,7 +50,11 @@ class EngineLoopThread:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                fn, fut = self._calls.get_nowait() if self.worker.has_work else self._calls.get(timeout=self._idle_s)
+                if self.worker.has_work:
+                    fn, fut = self._calls.get_nowait()
+                else:
+                    open_requests = getattr(self.worker, "has_requests", True)
+                    fn, fut = self._calls.get(timeout=self._idle_s if open_requests else self._parked_s)
             except queue.Empty:
                 fn = None
             if fn is not None:

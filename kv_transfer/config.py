@@ -21,6 +21,9 @@ class TransferConfig:
     grpc_streams: int = 1                   # grpc: parallel Push streams (own TCP connections) per destination
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
+    poll_backoff_max_s: float = 0.004       # nixl: with requests in flight but nothing happening (their
+                                            # prefill still running), the poll period doubles up to this;
+                                            # an event sets it back (bounds the delay a notice can wait)
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
     nixl_coalesce_reads: bool = True        # nixl: consecutive layers ready together before a request's
                                             # first READ lands go as one READ (off: a READ per layer)
@@ -44,6 +47,8 @@ class TransferConfig:
             raise ValueError("TransferConfig.max_inflight_chunks must be >= 1")
         if not 0 < self.nixl_sender_poll_s <= 0.1:
             raise ValueError(f"TransferConfig.nixl_sender_poll_s must be in (0, 0.1], got {self.nixl_sender_poll_s}")
+        if not 0 < self.poll_backoff_max_s <= 0.1:  # below poll_interval_s it means no back-off
+            raise ValueError(f"TransferConfig.poll_backoff_max_s must be in (0, 0.1], got {self.poll_backoff_max_s}")
         if self.liveness_interval_s < 0:
             raise ValueError(f"TransferConfig.liveness_interval_s must be >= 0, got {self.liveness_interval_s}")
         if not 1 <= self.grpc_streams <= 16:

@@ -67,7 +67,8 @@ class NixlReceiver(KVReceiver):
         self.book.before_release = self._on_failed
         self._server, self._port = serve(self, self.config)
         self._progress = Ticker("kv-nixl-recv", self._tick, self.config.poll_interval_s, PARKED_POLL_S,
-                                active=lambda: bool(self.reads.sources or self._inflight or self._cancelled))
+                                active=lambda: bool(self.reads.sources or self._inflight or self._cancelled),
+                                backoff_max_s=self.config.poll_backoff_max_s)
 
     def _on_failed(self, request_id: str) -> None:
         self._cancelled.append(request_id)
@@ -170,6 +171,7 @@ class NixlReceiver(KVReceiver):
             elif kind == "final":
                 f = msg.final
                 self.book.final(f.request_id, f.sender_id, f.first_token, f.prompt_len)
+                self._forget_if_finished(f.request_id)  # the last READ may have landed before this notice
             elif kind == "abort":
                 self.book.fail(msg.abort.request_id, f"aborted by sender: {msg.abort.reason}")
             else:
@@ -297,17 +299,26 @@ class NixlReceiver(KVReceiver):
         self._drop(read)
         for layer in range(read.layer, read.layer + read.layers):
             self.book.mark(read.request_id, read.sender_id, layer, read.token_start, read.num_tokens)
-        status = self.book.status(read.request_id)
-        if status is not None and status.state.terminal:
-            for key in self.reads.keys_of(read.request_id):
-                self.reads.forget(key)
-        elif read.src_pages is None:
+        if not self._forget_if_finished(read.request_id) and read.src_pages is None:
             self._prepare((read.request_id, read.sender_id))  # the layers still to come (nixl_reads.py)
         if read.layers > 1:  # the READ's own notice confirmed its last layer; confirm the others
             agent = self._peers[read.sender_id].agent_name
             for layer in range(read.layer, read.layer + read.layers - 1):
                 self.nixl.notify(agent, pb.NixlNotice(layer_read=pb.LayerRead(request_id=read.request_id,
                                                                               layer=layer)))
+
+    def _forget_if_finished(self, request_id: str) -> bool:
+        """Drop the request's sources once it is terminal, whichever event (its last READ landing
+        or the sender's final notice) came last: a source left behind keeps the poller from parking."""
+        status = self.book.status(request_id)
+        if status is None or not status.state.terminal:
+            return False
+        for key in self.reads.keys_of(request_id):
+            self.reads.forget(key)
+        return True
+
+    def transfers_in_flight(self) -> int:
+        return len({rid for rid, _ in self.reads.sources} | {r.request_id for r in self._inflight})
 
     def _drop(self, read: Read) -> None:
         if read.handle is not None:

@@ -45,7 +45,7 @@ class NixlSender(KVSender):
         self._next_probe = 0.0
         self.book.on_end = self._on_end
         self._progress = Ticker("kv-nixl-send", self._tick, self.config.nixl_sender_poll_s, PARKED_POLL_S,
-                                active=lambda: bool(self._dest_agents))
+                                active=lambda: bool(self._dest_agents), backoff_max_s=self.config.poll_backoff_max_s)
 
     def _handshake(self, endpoint: str) -> str:
         peer = self._peers.get(endpoint, lambda: make_request(self.pool.spec, self.pool.layout, self.transport,

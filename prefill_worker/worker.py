@@ -95,6 +95,11 @@ class PrefillWorker:
         return self.core.scheduler.has_unfinished or not self._released.empty()
 
     @property
+    def has_requests(self) -> bool:
+        """Any request still open, its transfer included (a release can make work without a call)."""
+        return bool(self.has_work or self._sending)
+
+    @property
     def num_transferring(self) -> int:
         """Requests whose pages are still pinned by their transfer."""
         return len(self._sending)

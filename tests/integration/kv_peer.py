@@ -83,13 +83,14 @@ class Peer:
         status = self.objects[name].start(request_id, dests, src_pages, num_tokens)
         return {"state": status.state.name, "error": status.error}
 
-    def cmd_send(self, name, request_id, layers, delay_s=0.0, first_token=None, prompt_len=0):
+    def cmd_send(self, name, request_id, layers, delay_s=0.0, first_token=None, prompt_len=0, final_delay_s=0.0):
         sender = self.objects[name]
         for layer in layers:
             if delay_s:
                 time.sleep(delay_s)
             sender.send_layer(request_id, layer)
         if first_token is not None:
+            time.sleep(final_delay_s)
             sender.finish(request_id, first_token, prompt_len)
         return {}
 

@@ -90,22 +90,25 @@ def assert_no_leaks(*sides, children=()):
         assert c.call("state", name=name)["tracked"] == []
 
 
-CASES = {  # (sender layout, receiver layout, TransferConfig of both sides, seconds between layers)
-    "same-layout": (lay(16), lay(16), {}, 0.0),
-    "pages-16-to-64": (lay(16), lay(64), {}, 0.0),
-    "pages-64-to-16": (lay(64), lay(16), {}, 0.0),
-    "float32-to-bfloat16": (lay(16), lay(16, dtype="bfloat16"), {}, 0.0),
-    "three-grpc-lanes": (lay(16), lay(64), {"grpc_streams": 3, "chunk_bytes": 16384}, 0.0),  # striped, small chunks
+CASES = {  # (sender layout, receiver layout, TransferConfig of both sides, seconds between layers, before the final)
+    "same-layout": (lay(16), lay(16), {}, 0.0, 0.0),
+    "pages-16-to-64": (lay(16), lay(64), {}, 0.0, 0.0),
+    "pages-64-to-16": (lay(64), lay(16), {}, 0.0, 0.0),
+    "float32-to-bfloat16": (lay(16), lay(16, dtype="bfloat16"), {}, 0.0, 0.0),
+    "three-grpc-lanes": (lay(16), lay(64), {"grpc_streams": 3, "chunk_bytes": 16384}, 0.0, 0.0),  # striped, small chunks
     # nixl: layers one by one (READs made when posted, then the rest prepared in one pass), and
     # every layer its own READ prepared at Begin (no coalescing)
-    "layers-one-by-one": (lay(16), lay(16), {}, 0.05),
-    "one-read-per-layer": (lay(16), lay(16), {"nixl_coalesce_reads": False}, 0.0),
+    "layers-one-by-one": (lay(16), lay(16), {}, 0.05, 0.0),
+    "one-read-per-layer": (lay(16), lay(16), {"nixl_coalesce_reads": False}, 0.0, 0.0),
+    # the first token comes well after the last layer, as when the sampler runs after the forward:
+    # the receiver must still let go of the request (and park its poller) once both are in
+    "final-after-last-read": (lay(16), lay(16), {}, 0.0, 0.3),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pages_arrive_exact(transport, child, case):
-    src_l, dst_l, cfg, delay_s = CASES[case]
+    src_l, dst_l, cfg, delay_s, final_delay_s = CASES[case]
     name = f"s-{case}"
     child.call("sender", name=name, transport=transport, spec=SPEC, layout=src_l, num_pages=NUM_PAGES, seed=11,
                config=cfg or None)
@@ -118,7 +121,7 @@ def test_pages_arrive_exact(transport, child, case):
                            num_tokens=TOKENS)
         assert start["state"] == "WAITING", start
         child.call("send", name=name, request_id=rid, layers=list(range(6)), delay_s=delay_s, first_token=42,
-                   prompt_len=TOKENS)
+                   prompt_len=TOKENS, final_delay_s=final_delay_s)
         status = recv.obj.wait(rid, 20)
         assert status.state.name == "DONE", status.error
         assert status.first_token == 42 and status.prompt_len == TOKENS
@@ -127,6 +130,7 @@ def test_pages_arrive_exact(transport, child, case):
         assert child.call("wait", name=name, request_id=rid, wait_s=10)["state"] == "DONE"
         recv.obj.take(rid)
         assert_no_leaks(recv, children=[(child, name)])
+        assert recv.obj.transfers_in_flight() == 0, "a finished transfer keeps the receiver's poller busy"
         assert child.call("state", name=name)["released"] == [rid]
     finally:
         recv.close()
