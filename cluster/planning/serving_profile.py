@@ -23,8 +23,8 @@ measurement (`CALIBRATE`) on each case's own cluster right before the case:
   a neighbour's prefill, which does slow a worker, is measured apart (interference);
 - busy admission: short prompts' TTFT while a decode stream runs, over an idle TTFT (the
   worker takes calls between steps, and its engine thread holds the GIL in between);
-- interference: a stream's gaps while another worker on the machine prefills long prompts,
-  against its gaps otherwise (two workers on two cores slow each other down by tens of
+- interference: eight streams' gaps while another worker on the machine prefills long prompts,
+  against their gaps otherwise (two workers on two cores slow each other down by tens of
   percent here: they share caches, memory bandwidth and, on this VM, probably a core).
 """
 from __future__ import annotations
@@ -146,29 +146,33 @@ def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int 
 
 
 def measure_interference(address: str, vocab: int, rng: random.Random, long_prompt: int = 1536,
-                         stream_on: str = "", prefill_on: str = "") -> dict:
-    """How much a worker's steps slow down while another worker on this machine is busy: one
-    decode stream runs (on `stream_on`) while long prompts are prefilled elsewhere (by the
-    prefill worker, or, colocated, by `prefill_on`); the stream's gaps ending inside a
-    prefill's window against those outside. Returns {inside_s, outside_s, factor, gaps_inside}.
-    The stream outlasts every window even at 10 ms a step (it was 160 tokens against windows
-    2.2 s apart: on a fast model the second window came after the stream had ended, and the
-    factor rested on one prefill, 0.0 to 0.36 between runs)."""
+                         stream_on: str = "", prefill_on: str = "", streams: int = 8) -> dict:
+    """How much a worker's steps slow down while another worker on this machine is busy:
+    `streams` decode streams run (on `stream_on`) while long prompts are prefilled elsewhere
+    (by the prefill worker, or, colocated, by `prefill_on`); the streams' gaps ending inside a
+    prefill's window against those outside. Returns {inside_s, outside_s, factor, gaps_inside,
+    streams}. The streams outlast every window even at 10 ms a step (160 tokens against windows
+    2.2 s apart left the factor resting on one prefill, 0.0 to 0.36 between runs). Eight
+    streams, not one: on the 2-core VM a busy neighbour slowed one stream by 0-19 % but a batch
+    of eight by 1.3-1.7x (docs/capacity-planning.md), and a loaded cluster decodes batches."""
     k = 400
-    streams = [WorkloadRequest(0, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab), decode_worker=stream_on)]
-    longs = [WorkloadRequest(1 + j, 0.5 + 1.2 * j, long_prompt, 1, prompt_token_ids=_ids(rng, long_prompt, vocab),
-                             decode_worker=prefill_on) for j in range(3)]
-    records = _run(address, streams + longs, None)
-    windows = [(r.start_s, r.start_s + r.ttft_s) for r in records[1:]]
+    reqs = [WorkloadRequest(i, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab), decode_worker=stream_on)
+            for i in range(streams)]
+    longs = [WorkloadRequest(streams + j, 0.5 + 1.2 * j, long_prompt, 1,
+                             prompt_token_ids=_ids(rng, long_prompt, vocab), decode_worker=prefill_on)
+             for j in range(3)]
+    records = _run(address, reqs + longs, None)
+    windows = [(r.start_s, r.start_s + r.ttft_s) for r in records[streams:]]
     inside, outside = [], []
-    for r in records[:1]:
+    for r in records[:streams]:
         t = [r.start_s + c for c in r.chunk_times_s]
         for a, b in zip(t[1:], t[2:]):  # skip the first gap (transfer, hand-off)
             (inside if any(lo <= b <= hi for lo, hi in windows) else outside).append(b - a)
     if not inside or not outside:
         return {"inside_s": None, "outside_s": None, "factor": 0.0}
     mi, mo = statistics.fmean(inside), statistics.fmean(outside)
-    return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0), "gaps_inside": len(inside)}
+    return {"inside_s": mi, "outside_s": mo, "factor": max(mi / mo - 1.0, 0.0), "gaps_inside": len(inside),
+            "streams": streams}
 
 
 def _reshaped_prefill(engine_lm: LatencyModel, curve: list[tuple[int, float]], p3: float) -> tuple:
