@@ -73,13 +73,39 @@ class DecodeActor:
         cfg = TransferConfig(host=_bind_host(local), deadline_s=deadline_s, begin_timeout_s=begin_timeout_s)
         worker = DecodeWorker(model, transport=transport, transfer_config=cfg, config=dcfg, **engine.engine_kwargs())
         self.handle = LocalDecodeHandle(AsyncDecodeWorker(worker), worker_id, pool, role)
+        self._channels: dict[str, asyncio.Queue] = {}
+        self._pumps: set[asyncio.Task] = set()
 
     async def ready(self) -> str:
         await self.handle.load()
         return self.handle.worker_id
 
-    async def admit(self, request_id, prompt_token_ids, params):
-        return await self.handle.admit(request_id, prompt_token_ids, params)
+    async def admit(self, request_id, prompt_token_ids, params, channel: str | None = None):
+        """Admit a request; with `channel`, its outputs go out on that channel's `outputs` stream
+        (the router's), otherwise on its own `stream`."""
+        adm = await self.handle.admit(request_id, prompt_token_ids, params)
+        if channel is not None:
+            q = self._channels.setdefault(channel, asyncio.Queue())
+            task = asyncio.get_running_loop().create_task(self._pump(request_id, q))
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+        return adm
+
+    async def _pump(self, request_id: str, q: asyncio.Queue) -> None:
+        async for out in self.handle.stream(request_id):
+            q.put_nowait(out)
+
+    async def outputs(self, channel: str):
+        """One Ray stream per router: every output of the requests admitted on `channel`, in
+        lists of whatever is ready (a step's worth for all of them). One Ray item per step
+        instead of one per stream and step: the per-item cost (serialization, an object-store
+        round, the caller's wake-up) was most of the serving path's cost per stream."""
+        q = self._channels.setdefault(channel, asyncio.Queue())
+        while True:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            yield batch
 
     async def wait_admitted(self, request_id):
         return await self.handle.wait_admitted(request_id)

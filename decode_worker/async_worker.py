@@ -77,15 +77,21 @@ class AsyncDecodeWorker(EngineLoopThread):
         if fut is not None and entry is not None:
             entry[0].call_soon_threadsafe(lambda: fut.done() or fut.set_result(adm))
 
-    def _deliver(self, out: DecodeOutput) -> None:
-        with self._lock:
-            entry = self._streams.get(out.request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
     def _on_step(self, result) -> None:
         for adm in result.admissions:
             self._resolve(adm.request_id, adm)
-        for out in result.outputs:
-            self._deliver(out)
+        # One wake-up of each caller loop per step, not one per output: every
+        # call_soon_threadsafe writes to the loop's self-pipe.
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in result.outputs:
+                entry = self._streams.get(out.request_id)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)

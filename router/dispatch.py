@@ -164,7 +164,7 @@ class Dispatcher:
                 ahead = 1
                 stats.completion_tokens += 1
                 yield Chunk([live.first_token], "", _logprobs(req, [live.first_logprobs]))
-            async for out in live.decode.stream(live.worker_rid):
+            async for out in self._decode_stream(live):
                 ids = list(out.new_token_ids)
                 if ids or out.new_text:
                     if not stats.first_output:  # for a disaggregated request: the transfer is done
@@ -195,6 +195,19 @@ class Dispatcher:
                 v.inflight -= 1
             if not live.done:
                 self._abort_later(live)
+
+    @staticmethod
+    async def _decode_stream(live: _Live) -> AsyncIterator:
+        """The decode worker's outputs; a worker lost mid-stream (its process or actor gone)
+        ends the request with UNAVAILABLE naming the worker, not an unexpected error."""
+        try:
+            async for out in live.decode.stream(live.worker_rid):
+                yield out
+        except (RequestError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise RequestError(f"decode worker {live.decode.worker_id} failed mid-stream: "
+                               f"{type(exc).__name__}: {str(exc)[:300]}", grpc.StatusCode.UNAVAILABLE) from exc
 
     async def _place(self, req: PreparedRequest, stats: RequestStats, live: _Live) -> None:
         tried: set[str] = set()
