@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an SLO set 'name=ttft:MS,itl:MS' (repeatable); default: DEFAULT_SLOS (stall-free, "
                         "decode-bound, TTFT-bound); the goodput target is judged under the first")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--arms", default="disaggregated,colocated",
+                   help="which arms to run (comma list of disaggregated, colocated); with one arm there are "
+                        "no ratios: for A/B runs of one arm across commits")
     p.add_argument("--json", default="disagg-vs-colocated.json")
     p.add_argument("--plot", default=None, help="write PNGs here")
     p.add_argument("--seed", type=int, default=0)
@@ -55,6 +58,17 @@ DEFAULT_SLOS = {"stall-free stream (TTFT<=8s, every gap<=250ms)": {"ttft": 8000.
 # 2026-12-03 10:45 UTC, from the earlier runs and a simulation (docs/experiments.md): at 0.7 req/s
 # and 48 requests under 1% of colocated chunk gaps were prefill stalls, so ITL p99 fell just
 # below them; the top rate has to load the machine enough that more than 1% of gaps are stalls.
+
+
+ARMS = ("disaggregated", "colocated")
+
+
+def _arms(args: argparse.Namespace) -> list[str]:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if not arms or bad or len(set(arms)) != len(arms):
+        raise SystemExit(f"--arms must list distinct arms of {', '.join(ARMS)}, got {args.arms!r}")
+    return arms
 
 
 def _parse_slos(items: list[str] | None) -> dict[str, dict[str, float]]:
@@ -135,7 +149,7 @@ def _simulate_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> 
     profile = LatencyModel.load(args.simulate)
     max_len = int(profile.meta.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
     results = []
-    for arm in ("disaggregated", "colocated"):
+    for arm in _arms(args):
         cluster = sim_cluster(_arm_config(arm, args.model, args.dtype, args.transport), profile=profile,
                               max_model_len=max_len)
         for i, rate in enumerate(rates):
@@ -161,7 +175,7 @@ def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> l
     from cluster.runtime import Cluster
 
     results = []
-    for arm in ("disaggregated", "colocated"):
+    for arm in _arms(args):
         cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport))
         address = cluster.start()
         try:
@@ -182,6 +196,7 @@ def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> l
 
 
 def run(args: argparse.Namespace) -> int:
+    _arms(args)
     rates = [float(r) for r in args.rates.split(",")]
     if not rates or min(rates) <= 0:
         raise SystemExit(f"--rates must be positive request rates, got {args.rates!r}")
@@ -190,13 +205,15 @@ def run(args: argparse.Namespace) -> int:
     results = _simulate_arms(args, rates, slos) if args.simulate else _measure_arms(args, rates, slos)
     table = _table(results, rates, slos)
     print(table)
-    ratios = _ratios(results, rates, slos)
+    both = len(_arms(args)) == 2
+    ratios = _ratios(results, rates, slos) if both else {}
     out = {"config": vars(args) | {"slos": slos, "simulated": bool(args.simulate)}, "host": platform.node(),
            "wall_s": time.time() - t_start,
            "ratios": ratios, "runs": results}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    print(json.dumps(ratios, indent=1))
-    if args.plot:
+    if both:
+        print(json.dumps(ratios, indent=1))
+    if args.plot and both:
         _plot_summary(results, rates, slos, Path(args.plot), f"{args.model}, {args.dtype}")
         _plot_itl_tail(results, max(rates), Path(args.plot))
     return 0

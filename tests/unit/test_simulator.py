@@ -218,3 +218,23 @@ def test_disagg_vs_colocated_predicted_shows_colocated_prefill_stalls(tmp_path, 
         ("colocated", 0.5), ("colocated", 1.0), ("disaggregated", 0.5), ("disaggregated", 1.0)]
     assert all(r["summary"]["completed"] == 24 and r["summary"]["failed"] == 0 for r in doc["runs"])
     assert doc["ratios"]["rate"] == 1.0 and doc["ratios"]["itl_p99_disagg_over_colocated"] < 0.5
+
+
+@pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
+def test_disagg_vs_colocated_one_arm_for_ab_runs(tmp_path, capsys):
+    """`--arms disaggregated` runs that arm alone (an A/B of one arm across commits): its rows,
+    no ratios; an unknown arm is refused naming the allowed ones before anything runs."""
+    from cluster.cli import main
+
+    prof = tmp_path / "prof.json"
+    LatencyModel(prefill=(0.01, 1e-3, 0, 0), decode=(0.02, 1e-3, 0), kv_bytes_per_token=4096, num_layers=4,
+                 meta={"max_model_len": 2048}).save(prof)
+    out = tmp_path / "one.json"
+    rc = main(["bench", "disagg-vs-colocated", "--simulate", str(prof), "--model", "tiny", "--dtype", "float32",
+               "--arms", "disaggregated", "--rates", "1", "--num-requests", "12", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [(r["arm"], r["rate"]) for r in doc["runs"]] == [("disaggregated", 1.0)]
+    assert doc["ratios"] == {} and "colocated" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--arms must list distinct arms of disaggregated, colocated"):
+        main(["bench", "disagg-vs-colocated", "--simulate", str(prof), "--arms", "decode", "--json", str(out)])
