@@ -196,7 +196,7 @@ def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> l
 
 
 def run(args: argparse.Namespace) -> int:
-    _arms(args)
+    both = len(_arms(args)) == 2  # with one arm (an A/B across commits) there is nothing to compare
     rates = [float(r) for r in args.rates.split(",")]
     if not rates or min(rates) <= 0:
         raise SystemExit(f"--rates must be positive request rates, got {args.rates!r}")
@@ -205,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
     results = _simulate_arms(args, rates, slos) if args.simulate else _measure_arms(args, rates, slos)
     table = _table(results, rates, slos)
     print(table)
-    both = len(_arms(args)) == 2
     ratios = _ratios(results, rates, slos) if both else {}
     out = {"config": vars(args) | {"slos": slos, "simulated": bool(args.simulate)}, "host": platform.node(),
            "wall_s": time.time() - t_start,

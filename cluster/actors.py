@@ -80,15 +80,13 @@ class DecodeActor:
         await self.handle.load()
         return self.handle.worker_id
 
-    async def admit(self, request_id, prompt_token_ids, params, channel: str | None = None):
-        """Admit a request; with `channel`, its outputs go out on that channel's `outputs` stream
-        (the router's), otherwise on its own `stream`."""
+    async def admit(self, request_id, prompt_token_ids, params, channel: str):
+        """Admit a request; its outputs go out on `channel`'s `outputs` stream (the router's)."""
         adm = await self.handle.admit(request_id, prompt_token_ids, params)
-        if channel is not None:
-            q = self._channels.setdefault(channel, asyncio.Queue())
-            task = asyncio.get_running_loop().create_task(self._pump(request_id, q))
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
+        q = self._channels.setdefault(channel, asyncio.Queue())
+        task = asyncio.get_running_loop().create_task(self._pump(request_id, q))
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
         return adm
 
     async def _pump(self, request_id: str, q: asyncio.Queue) -> None:
@@ -109,10 +107,6 @@ class DecodeActor:
 
     async def wait_admitted(self, request_id):
         return await self.handle.wait_admitted(request_id)
-
-    async def stream(self, request_id):
-        async for out in self.handle.stream(request_id):
-            yield out
 
     async def cancel(self, request_id: str) -> bool:
         return await self.handle.cancel(request_id)

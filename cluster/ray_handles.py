@@ -66,10 +66,6 @@ class RayDecodeHandle:
     async def load(self):
         return await self.actor.load.remote()
 
-    @property
-    def open_streams(self) -> int:
-        return len(self._queues)
-
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
