@@ -44,9 +44,9 @@ from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
-        "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60, "interference": True}
+        "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60, "interference": True}
 # what `plan validate` measures on each case's own cluster just before running it
-CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2,
+CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2, "short_extra": 6,
              "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 90, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
          "decode_tokens": 12}
@@ -101,7 +101,12 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     # cluster is still settling (in one calibration its 1,984-token prompts took 940 ms twice in
     # a row, the same prompts of the workload 640 ms minutes later), and repeats taken in rounds
     # rather than back to back spread a transient over every shape instead of one
-    rounds = [(r, t, c) for r in range(-1, grid["repeats"]) for t, c in grid["prefill"]]
+    # plus `short_extra` more 16-token prompts per round: the first token's fixed delay and the
+    # idle TTFT are medians of short prompts, and with two or four samples the fifth validation
+    # run's calibrations of the same case put the delay at 11.5 and 17.6 ms, as far apart as
+    # the TTFT errors they caused
+    extra = [(16, 0)] * grid.get("short_extra", 0)
+    rounds = [(r, t, c) for r in range(-1, grid["repeats"]) for t, c in grid["prefill"] + tuple(extra)]
     for r, t, c in tqdm(rounds, desc="served prefill", leave=False):
         prefix = _ids(rng, c, vocab)
         if c:
