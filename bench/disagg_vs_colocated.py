@@ -280,14 +280,14 @@ def _plot_summary(results, rates, slos, out: Path, label: str) -> None:
     panels = [("ttft", "p99", "TTFT p99 (ms)"), ("itl", "p99", "ITL p99 (ms)"), ("tpot", "p90", "TPOT p90 (ms)")]
     fig, axes = plt.subplots(1, len(panels) + len(slos), figsize=(4.2 * (len(panels) + len(slos)), 3.6))
     for ax, (metric, stat, label) in zip(axes, panels):
-        for arm in ("disaggregated", "colocated"):
+        for arm in ARMS:
             ys = [_pick(_get(results, arm, r)["summary"], metric, stat) for r in rates]
             ax.plot(rates, ys, marker="o", label=arm)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for ax, name in zip(axes[len(panels):], slos):
-        for arm in ("disaggregated", "colocated"):
+        for arm in ARMS:
             ax.plot(rates, [_goodput_rate(_get(results, arm, r), name) for r in rates], marker="o", label=arm)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("goodput (req/s)")
@@ -310,7 +310,7 @@ def _plot_itl_tail(results, rate: float, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in ("disaggregated", "colocated"):
+    for arm in ARMS:
         recs = [r for r in _get(results, arm, rate)["records"] if r["ok"]]
         gaps = sorted(b - a for r in recs for a, b in zip(r["chunk_times_s"], r["chunk_times_s"][1:]))
         n = len(gaps)

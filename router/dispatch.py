@@ -203,9 +203,9 @@ class Dispatcher:
         try:
             async for out in live.decode.stream(live.worker_rid):
                 yield out
-        except (RequestError, asyncio.CancelledError):
+        except RequestError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # CancelledError is not an Exception: it passes through
             raise RequestError(f"decode worker {live.decode.worker_id} failed mid-stream: "
                                f"{type(exc).__name__}: {str(exc)[:300]}", grpc.StatusCode.UNAVAILABLE) from exc
 
