@@ -11,6 +11,10 @@ copies) and runs SDPA on them:
   shorter rows are padded (with their own first row) and masked. One call per sequence spent
   most of a batch-32 decode step in per-call overhead and cold reads, while padding the whole
   batch to its longest context reads several times the real K/V when lengths are spread.
+  On a CPU a bucket is also cut so that the K/V it gathers stays under `CPU_GATHER_BYTES`: the
+  gathered copy is then still in cache when SDPA reads it. Measured on a 2-core EPYC (1 MiB L2,
+  32 MiB L3), one layer of 64 decodes over 448 tokens (small model: 4 KV heads x 32, fp32):
+  29 ms gathered in one piece, 7-8 ms in pieces of 1-4 MiB; 128 x 448: 61 ms against 14 ms.
 - prefill-shaped with nothing cached: causal SDPA straight on the step's new K/V.
 - prefill-shaped after a cached prefix: SDPA over the gathered context with an offset
   causal mask.
@@ -28,6 +32,9 @@ from engine.attention.base import AttentionBackend, BatchLayout, write_kv
 # A bucket's longest decode context is at most this times its shortest: the padded reads
 # stay within 25 % of the real ones, and a batch of lengths spread 20-2,000 needs ~20 calls.
 BUCKET_RATIO = 1.25
+# On a CPU, the K plus V rows one SDPA call gathers stay under this many bytes (see above); on a
+# GPU a bucket is one call whatever its size.
+CPU_GATHER_BYTES = 3 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -80,14 +87,19 @@ class TorchAttentionBackend(AttentionBackend):
         self.rows = torch.from_numpy(np.concatenate(rows)).to(dev) if rows else None
         self.buckets = self._plan_decodes(decodes, kv_rows, dev)
 
-    @staticmethod
-    def _plan_decodes(decodes, kv_rows, dev) -> list[_DecodeBucket]:
+    def _plan_decodes(self, decodes, kv_rows, dev) -> list[_DecodeBucket]:
         decodes.sort()
+        spec = self.spec
+        token_bytes = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
+        max_tokens = CPU_GATHER_BYTES // token_bytes if torch.device(dev).type == "cpu" else None
         buckets: list[_DecodeBucket] = []
         start = 0
         while start < len(decodes):
             end = start + 1
             while end < len(decodes) and decodes[end][0] <= BUCKET_RATIO * decodes[start][0]:
+                # sorted by length, so the row being added sets the bucket's padded length
+                if max_tokens is not None and (end - start + 1) * decodes[end][0] > max_tokens:
+                    break
                 end += 1
             group = decodes[start:end]
             max_len = group[-1][0]
