@@ -135,19 +135,30 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     if grid.get("interference"):
         interference = measure_interference(address, vocab, rng, long_prompt=min(1536, max_model_len - 2),
                                             stream_on=targets[0], prefill_on=targets[-1])
-        busy = measure_busy_ttft(address, vocab, rng)
+        lone = [s for b, _, s in decode if b == 1]
+        busy = measure_busy_ttft(address, vocab, rng, min(lone) if lone else 0.01, max_model_len)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
             "busy_ttft": busy}
 
 
-def measure_busy_ttft(address: str, vocab: int, rng: random.Random, prompt: int = 16) -> list[float]:
+def measure_busy_ttft(address: str, vocab: int, rng: random.Random, step_s: float, max_model_len: int,
+                      prompt: int = 16, n: int = 12) -> list[float]:
     """TTFTs of short prompts sent while a decode stream runs. A worker takes calls (admit,
     submit) between its steps, on a process whose engine thread holds the GIL in between; the
-    time this adds over an idle worker's TTFT shows here."""
-    reqs = [WorkloadRequest(0, 0.0, 64, 120, prompt_token_ids=_ids(rng, 64, vocab))]
-    reqs += [WorkloadRequest(1 + j, 0.4 + 0.35 * j, prompt, 1, prompt_token_ids=_ids(rng, prompt, vocab))
-             for j in range(6)]
-    return [r.ttft_s for r in _run(address, reqs, None)[1:]]
+    time this adds over an idle worker's TTFT shows here. `step_s` (a lone stream's served step)
+    sizes the stream so that the prompts arrive while it decodes, and only prompts whose whole
+    TTFT lies inside its decoding count. Before, a 120-token stream ended after about a second
+    while six prompts spanned two, so half of them timed an idle worker and two calibrations of
+    the same case put the busy delay at 7.1 and 0 ms."""
+    tokens = max(min(800, max_model_len - 64 - 8), 1)
+    spacing = min(max((0.8 * tokens * step_s - 0.4) / n, 0.05), 0.25)
+    reqs = [WorkloadRequest(0, 0.0, 64, tokens, prompt_token_ids=_ids(rng, 64, vocab))]
+    reqs += [WorkloadRequest(1 + j, 0.4 + spacing * j, prompt, 1, prompt_token_ids=_ids(rng, prompt, vocab))
+             for j in range(n)]
+    records = _run(address, reqs, None)
+    stream = records[0]
+    lo, hi = stream.start_s + stream.ttft_s, stream.start_s + stream.chunk_times_s[-1]
+    return [r.ttft_s for r in records[1:] if lo <= r.start_s and r.start_s + r.ttft_s <= hi]
 
 
 def measure_interference(address: str, vocab: int, rng: random.Random, long_prompt: int = 1536,
