@@ -44,10 +44,15 @@ from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
-        "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60, "interference": True}
-# what `plan validate` measures on each case's own cluster just before running it
+        "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512, 1536), "decode_tokens": 60,
+        "interference": True}
+# what `plan validate` measures on each case's own cluster just before running it. Decode
+# contexts reach 1,536 tokens: with 64 and 384 only, the fitted cost per context token (about
+# 1 us on the AVX2 VM) was half what a lone stream over 2,000 tokens pays, and the validation
+# workload's long prompts decode alone at low load (two of its three over 1,200 tokens had their
+# TPOT under-predicted by 25-35 %)
 CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2, "short_extra": 6,
-             "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 90, "interference": True}
+             "batch": (1, 2, 4, 8), "ctx": (64, 384, 1536), "decode_tokens": 90, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
          "decode_tokens": 12}
 SHORT_PROMPT = 128   # served TTFTs of prompts up to this long give the first token's fixed delay
