@@ -57,6 +57,11 @@ class _DecodeBucket:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        # K plus V bytes one decode SDPA call may gather; None: a bucket is one call
+        self.gather_bytes: int | None = CPU_GATHER_BYTES if torch.device(spec.device).type == "cpu" else None
+
     def plan(self, layout: BatchLayout) -> None:
         self.layout = layout
         ps, dev = layout.page_size, layout.device
@@ -91,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
         decodes.sort()
         spec = self.spec
         token_bytes = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
-        max_tokens = CPU_GATHER_BYTES // token_bytes if torch.device(dev).type == "cpu" else None
+        max_tokens = None if self.gather_bytes is None else self.gather_bytes // token_bytes
         buckets: list[_DecodeBucket] = []
         start = 0
         while start < len(decodes):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionSpec, create_backend
-from engine.attention.torch_backend import BUCKET_RATIO
+from engine.attention.torch_backend import BUCKET_RATIO, CPU_GATHER_BYTES
 from tests.gpu.conftest import random_paged_batch
 
 CASES = {
@@ -64,23 +64,22 @@ def test_decodes_of_similar_length_share_one_call_and_spread_lengths_do_not():
     assert lengths == [[1], [2], [15, 16, 17], [101, 124, 125, 126], [701], [2048]]
 
 
-def test_a_cpu_bucket_is_cut_at_the_gather_budget_and_still_matches(monkeypatch):
+def test_a_cpu_bucket_is_cut_at_the_gather_budget_and_still_matches():
     """Twelve decodes of 99-121 tokens fit one bucket by length; with a budget of 250 tokens of
     K and V each call holds two of them, and the output is what the single call gives."""
-    import engine.attention.torch_backend as tb
-
     spec = AttentionSpec(8, 4, 32, 16, torch.float32, torch.device("cpu"), 32**-0.5)
     seqs = [(98 + 2 * i, 1) for i in range(12)]
     batch = random_paged_batch(seqs, page_size=16, num_q_heads=8, num_kv_heads=4, head_dim=32,
                                dtype=torch.float32, device=torch.device("cpu"))
     whole = create_backend("torch", spec)
+    assert whole.gather_bytes == CPU_GATHER_BYTES  # the default on a CPU
     whole.plan(batch.layout)
     assert len(whole.buckets) == 1
     out_whole = whole.forward(0, batch.q, batch.k, batch.v, batch.kv_cache.clone())
 
     token_bytes = 2 * 4 * 32 * 4
-    monkeypatch.setattr(tb, "CPU_GATHER_BYTES", 250 * token_bytes)  # two sequences of ~110 tokens per call
     cut = create_backend("torch", spec)
+    cut.gather_bytes = 250 * token_bytes  # two sequences of ~110 tokens per call
     cut.plan(batch.layout)
     sizes = [b.q_rows.numel() for b in cut.buckets]
     assert sizes == [2] * 6

@@ -1,0 +1,104 @@
+"""`pdcluster bench decode-step`: the engine's decode step at serving batch sizes, with the torch
+backend's decode attention cut into cache-sized calls (the default on a CPU) against one call
+per length bucket (the backend before that change), in one process on the same requests.
+
+For each shape (streams, prompt tokens) one `EngineCore` takes that many requests (prompt
+lengths spread +-50 % around the given one, random token ids, `ignore_eos`), prefills them,
+then times `step()` in rounds that alternate the two settings, so the machine's drift falls on
+both alike. Each figure is the median step; the ratio is cut / whole (below 1: faster).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import sys
+from pathlib import Path
+
+from bench._timing import Summary, timed
+
+DEFAULT_SHAPES = "16x400,64x400,128x400,64x1000,128x150"
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(x) for x in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(s) != 2 or s[0] < 1 or s[1] < 2 for s in out):
+        raise argparse.ArgumentTypeError(f"--shapes must be STREAMSxPROMPT[,...] with STREAMS >= 1 and PROMPT >= 2, "
+                                         f"got {text!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="small", help="built-in preset or checkpoint folder (default small)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--shapes", type=_shapes, default=_shapes(DEFAULT_SHAPES),
+                        help=f"STREAMSxPROMPT list (default {DEFAULT_SHAPES})")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per shape (default 4)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per round and setting (default 8)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT")
+
+
+def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, steps: int) -> dict:
+    from engine.core import EngineCore
+    from engine.sampling_params import SamplingParams
+
+    decode_tokens = 2 * rounds * steps + 4
+    core = EngineCore(model, dtype=dtype, max_num_seqs=max(streams, 1), detokenize=False,
+                      max_num_batched_tokens=max(2048, prompt * 2))
+    rng = random.Random(streams * 100003 + prompt)
+    vocab = core.config.vocab_size
+    longest = core.max_model_len - decode_tokens - 1
+    for _ in range(streams):
+        n = min(max(2, prompt + rng.randrange(-prompt // 2, prompt // 2 + 1)), longest)
+        core.add_request([rng.randrange(10, vocab) for _ in range(n)],
+                         SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
+    while core.num_computed_prompt_tokens < sum(len(r.prompt_token_ids) for r in core._requests.values()):
+        core.step()
+    attn = core.runner.attn
+    if not hasattr(attn, "gather_bytes"):
+        raise SystemExit(f"the attention backend is {attn.name!r}; this benchmark is about the torch backend")
+    default = attn.gather_bytes
+    samples: dict[str, list[float]] = {"cut": [], "whole": []}
+    core.step()
+    for r in range(rounds):
+        for name in (("cut", "whole") if r % 2 == 0 else ("whole", "cut")):
+            attn.gather_bytes = default if name == "cut" else None
+            samples[name] += [timed(core.step)[0] for _ in range(steps)]
+    attn.gather_bytes = default
+    cut, whole = Summary.of(samples["cut"]), Summary.of(samples["whole"])
+    return {"streams": streams, "prompt": prompt, "gather_bytes": default, "cut": cut.as_dict(),
+            "whole": whole.as_dict(), "ratio": cut.median / whole.median}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.steps < 1 or args.threads < 1:
+        print("--rounds, --steps and --threads must be >= 1", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    print(f"decode step: {args.model} {args.dtype}, {args.threads} thread(s), torch {torch.__version__}, "
+          f"{args.rounds} rounds x {args.steps} steps per setting", flush=True)
+    print(f"{'streams':>8} {'prompt':>7} {'cut (ms)':>10} {'whole (ms)':>11} {'ratio':>7}")
+    rows = []
+    for streams, prompt in args.shapes:
+        row = _measure(args.model, args.dtype, streams, prompt, args.rounds, args.steps)
+        rows.append(row)
+        print(f"{streams:>8} {prompt:>7} {row['cut']['median'] * 1e3:>10.1f} {row['whole']['median'] * 1e3:>11.1f} "
+              f"{row['ratio']:>7.2f}", flush=True)
+    if args.json is not None:
+        doc = {"benchmark": "decode-step", "rows": rows, "started_at": started,
+               "settings": {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                            "rounds": args.rounds, "steps": args.steps, "torch": torch.__version__,
+                            "python": platform.python_version(), "machine": platform.machine()}}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0

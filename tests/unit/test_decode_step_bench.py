@@ -1,0 +1,24 @@
+"""`pdcluster bench decode-step` runs both attention settings on the same requests and says so."""
+import json
+
+import pytest
+
+from cluster.cli import main
+
+
+def test_decode_step_bench_times_both_settings(tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    assert main(["bench", "decode-step", "--model", "tiny", "--shapes", "3x40,2x20", "--rounds", "2", "--steps", "2",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["streams"], r["prompt"]) for r in doc["rows"]] == [(3, 40), (2, 20)]
+    for row in doc["rows"]:
+        assert row["cut"]["n"] == row["whole"]["n"] == 4
+        assert row["ratio"] == pytest.approx(row["cut"]["median"] / row["whole"]["median"])
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_decode_step_bench_rejects_bad_shapes(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "decode-step", "--shapes", "64by400"])
+    assert "--shapes must be STREAMSxPROMPT" in capsys.readouterr().err
