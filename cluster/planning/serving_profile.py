@@ -44,17 +44,20 @@ from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
 
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
-        "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512, 1536), "decode_tokens": 60,
-        "interference": True}
-# what `plan validate` measures on each case's own cluster just before running it. Decode
-# contexts reach 1,536 tokens: with 64 and 384 only, the fitted cost per context token (about
-# 1 us on the AVX2 VM) was half what a lone stream over 2,000 tokens pays, and the validation
-# workload's long prompts decode alone at low load (two of its three over 1,200 tokens had their
-# TPOT under-predicted by 25-35 %)
+        "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 60,
+        "long": ((1, 1536), (2, 1536)), "long_tokens": 150, "interference": True}
+# what `plan validate` measures on each case's own cluster just before running it.
+# `long`: (streams, context) shapes past the grid, `long_tokens` generated each. With contexts
+# of 64 and 384 only, the fitted cost per context token (about 1 us on the AVX2 VM) was half of
+# what a lone stream over 2,000 tokens paid, and the validation workload's long prompts decode
+# alone at low load (two of its three over 1,200 tokens had their TPOT under-predicted by
+# 25-35 %). One or two streams only: the prefill worker takes ~0.4 s per such prompt, so more
+# streams would never all be decoding at once within a short generation.
 CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2, "short_extra": 6,
-             "batch": (1, 2, 4, 8), "ctx": (64, 384, 1536), "decode_tokens": 90, "interference": True}
+             "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 90, "long": ((1, 1536), (2, 1536)),
+             "long_tokens": 150, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
-         "decode_tokens": 12}
+         "decode_tokens": 32}  # 12 left 4 staggered streams under 10 shared gaps
 SHORT_PROMPT = 128   # served TTFTs of prompts up to this long give the first token's fixed delay
 
 
@@ -82,7 +85,9 @@ def fits(grid: dict, max_model_len: int) -> dict:
     longest = max_model_len - 64
     if len(prefill) < len(grid["prefill"]) and longest > max((t for t, c in prefill if c == 0), default=0):
         prefill.append((longest, 0))  # the longest prompt the context takes, in place of those dropped
-    out = dict(grid, prefill=tuple(prefill), ctx=tuple(L for L in grid["ctx"] if L + k < max_model_len))
+    long_k = grid.get("long_tokens", k)
+    out = dict(grid, prefill=tuple(prefill), ctx=tuple(L for L in grid["ctx"] if L + k < max_model_len),
+               long=tuple((b, L) for b, L in grid.get("long", ()) if L + long_k < max_model_len))
     if not out["prefill"] or not out["ctx"]:
         raise ValueError(f"max_model_len={max_model_len} leaves no shape of the serving profile grid "
                          f"(prefill {grid['prefill']}, decode contexts {grid['ctx']} + {k} tokens)")
@@ -121,19 +126,16 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
         if r >= 0:
             prefill.append((t, c, rec.ttft_s))
     decode, first_gaps = [], []
-    k = grid["decode_tokens"]
-    lo, hi = k // 3, 2 * k // 3
-    shapes = [(b, L) for b in grid["batch"] for L in grid["ctx"]]
-    for n, (b, L) in enumerate(tqdm(shapes, desc="served decode", leave=False)):
+    shapes = [(b, L, grid["decode_tokens"]) for b in grid["batch"] for L in grid["ctx"]]
+    shapes += [(b, L, grid.get("long_tokens", grid["decode_tokens"])) for b, L in grid.get("long", ())]
+    for n, (b, L, k) in enumerate(tqdm(shapes, desc="served decode", leave=False)):
         target = targets[n % len(targets)]
         reqs = [WorkloadRequest(i, 0.0, L, k, prompt_token_ids=_ids(rng, L, vocab), decode_worker=target)
                 for i in range(b)]
         recs = _run(address, reqs, None)
-        # the middle third of the streams: all of them decode then. The mean, not the median:
-        # TPOT is a mean of gaps, and the occasional slow step (the process shares its core and
-        # GIL with output streaming) is part of it.
-        gaps = [g for r in recs for g in r.itls_s[lo:hi]]
-        decode.append((b, b * (L + (lo + hi) // 2), statistics.fmean(gaps)))
+        point = _all_decoding(recs, L)
+        if point is not None:
+            decode.append(point)
         if b == 1:  # alone: first token -> second is transfer, hand-off, one step
             first_gaps.append((L, recs[0].itls_s[0]))
     interference = busy = None
@@ -144,6 +146,32 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
         busy = measure_busy_ttft(address, vocab, rng, min(lone) if lone else 0.01, max_model_len)
     return {"prefill": prefill, "decode": decode, "first_gaps": first_gaps, "interference": interference,
             "busy_ttft": busy}
+
+
+def _all_decoding(recs, prompt: int, min_gaps: int = 10) -> tuple[int, int, float] | None:
+    """(streams, summed context, served step) from the chunk gaps that fall while every stream
+    decodes: from the last stream's second chunk (all prefills and hand-offs are over) to the
+    first stream's last chunk. The mean, not the median: TPOT is a mean of gaps, and the
+    occasional slow step (the process shares its core and GIL with output streaming) is part of
+    it. None when that window holds fewer than `min_gaps` gaps: the streams' prefills were so
+    staggered that they never all decoded together (a middle third of each stream's gaps, used
+    before, then timed one or two streams and called it 32: a 32 x 1,536 shape came out faster
+    than 32 x 64)."""
+    if any(len(r.chunk_times_s) < 3 for r in recs):
+        return None
+    lo = max(r.start_s + r.chunk_times_s[1] for r in recs)
+    hi = min(r.start_s + r.chunk_times_s[-1] for r in recs)
+    gaps, ctx = [], []
+    for r in recs:
+        t = [r.start_s + c for c in r.chunk_times_s]
+        for i in range(1, len(t) - 1):
+            if lo <= t[i] and t[i + 1] <= hi:
+                gaps.append(t[i + 1] - t[i])
+                ctx.append(prompt + i + 1)
+    if len(gaps) < min_gaps:
+        return None
+    b = len(recs)
+    return b, round(b * statistics.fmean(ctx)), statistics.fmean(gaps)
 
 
 def measure_busy_ttft(address: str, vocab: int, rng: random.Random, step_s: float, max_model_len: int,

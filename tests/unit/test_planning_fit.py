@@ -57,3 +57,25 @@ def test_profile_grid_keeps_only_shapes_the_model_can_take():
     assert len(fit_grid(FULL, 8192)["prefill_shapes"]) == len(FULL["prefill_tokens"]) * len(FULL["cached"])
     with pytest.raises(ValueError, match="max_model_len=64"):
         fit_grid(FULL, 64)
+
+
+def _rec(start_s: float, chunk_times_s: list[float]):
+    from bench.serve.metrics import RequestRecord
+
+    return RequestRecord(index=0, request_id="r", scheduled_s=0.0, start_s=start_s, prompt_len=100, max_tokens=10,
+                         ok=True, chunk_times_s=chunk_times_s)
+
+
+def test_served_decode_point_uses_only_the_gaps_while_every_stream_decodes():
+    """Two streams of 10 ms steps, the second starting 50 ms later and stepping at 20 ms while
+    both decode: the point is the 20 ms gaps of the shared window, not the lone stretches;
+    streams that never decode together give no point."""
+    from cluster.planning.serving_profile import _all_decoding
+
+    a = _rec(0.0, [0.01 * i for i in range(6)] + [0.05 + 0.02 * i for i in range(1, 6)])  # to 0.15 s
+    b = _rec(0.05, [0.0, 0.02, 0.04, 0.06, 0.08, 0.10, 0.11, 0.12])  # decodes 0.07-0.17 s
+    b_s, ctx, step = _all_decoding([a, b], prompt=100, min_gaps=2)
+    assert b_s == 2 and step == pytest.approx(0.02)
+    assert 2 * 100 < ctx < 2 * 110
+    late = _rec(1.0, [0.0, 0.01, 0.02, 0.03])
+    assert _all_decoding([a, late], prompt=100, min_gaps=1) is None
