@@ -74,8 +74,17 @@ def test_served_decode_point_uses_only_the_gaps_while_every_stream_decodes():
 
     a = _rec(0.0, [0.01 * i for i in range(6)] + [0.05 + 0.02 * i for i in range(1, 6)])  # to 0.15 s
     b = _rec(0.05, [0.0, 0.02, 0.04, 0.06, 0.08, 0.10, 0.11, 0.12])  # decodes 0.07-0.17 s
-    b_s, ctx, step = _all_decoding([a, b], prompt=100, min_gaps=2)
+    b_s, ctx, step = _all_decoding([a, b], [100, 100], min_gaps=2)
     assert b_s == 2 and step == pytest.approx(0.02)
     assert 2 * 100 < ctx < 2 * 110
     late = _rec(1.0, [0.0, 0.01, 0.02, 0.03])
-    assert _all_decoding([a, late], prompt=100, min_gaps=1) is None
+    assert _all_decoding([a, late], [100, 100], min_gaps=1) is None
+
+
+def test_decode_shape_lengths_spread_around_the_shape_and_fit_the_context():
+    from cluster.planning.serving_profile import _spread
+
+    assert _spread(400, 1, 2000) == [400]
+    assert _spread(400, 2, 2000) == [200, 600]
+    assert _spread(400, 5, 2000) == [200, 300, 400, 500, 600]
+    assert _spread(1536, 2, 1896) == [768, 1896]
