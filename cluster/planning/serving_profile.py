@@ -43,11 +43,11 @@ from bench.serve.workloads import Workload, WorkloadRequest
 from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
 
+# `plan profile --serving`. decode_tokens: 32 prompts of 512 tokens reach the decode worker over
+# ~1.2 s (4 per prefill step); with 60 tokens each the first streams had finished before the last began
 FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
         "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 150,
         "long": ((1, 1536), (2, 1536)), "long_tokens": 150, "interference": True}
-# decode_tokens: 32 prompts of 512 tokens reach the decode worker over ~1.2 s (4 per prefill
-# step); with 60 tokens each the first streams had finished before the last began
 # what `plan validate` measures on each case's own cluster just before running it.
 # `long`: (streams, context) shapes past the grid, `long_tokens` generated each. With contexts
 # of 64 and 384 only, the fitted cost per context token (about 1 us on the AVX2 VM) was half of
