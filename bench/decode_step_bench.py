@@ -50,15 +50,17 @@ def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, ste
 
     decode_tokens = 2 * rounds * steps + 4
     core = EngineCore(model, dtype=dtype, max_num_seqs=max(streams, 1), detokenize=False,
-                      max_num_batched_tokens=max(2048, prompt * 2))
+                      enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt * 2))
     rng = random.Random(streams * 100003 + prompt)
     vocab = core.config.vocab_size
     longest = core.max_model_len - decode_tokens - 1
+    total = 0
     for _ in range(streams):
         n = min(max(2, prompt + rng.randrange(-prompt // 2, prompt // 2 + 1)), longest)
         core.add_request([rng.randrange(10, vocab) for _ in range(n)],
                          SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
-    while core.num_computed_prompt_tokens < sum(len(r.prompt_token_ids) for r in core._requests.values()):
+        total += n
+    while core.num_computed_prompt_tokens < total:
         core.step()
     attn = core.runner.attn
     if not hasattr(attn, "gather_bytes"):

@@ -61,6 +61,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(spec)
         # K plus V bytes one decode SDPA call may gather; None: a bucket is one call
         self.gather_bytes: int | None = CPU_GATHER_BYTES if torch.device(spec.device).type == "cpu" else None
+        self._kv_token_bytes = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
 
     def plan(self, layout: BatchLayout) -> None:
         self.layout = layout
@@ -94,9 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_decodes(self, decodes, kv_rows, dev) -> list[_DecodeBucket]:
         decodes.sort()
-        spec = self.spec
-        token_bytes = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=spec.dtype).element_size()
-        max_tokens = None if self.gather_bytes is None else self.gather_bytes // token_bytes
+        max_tokens = None if self.gather_bytes is None else self.gather_bytes // self._kv_token_bytes
         buckets: list[_DecodeBucket] = []
         start = 0
         while start < len(decodes):
