@@ -151,6 +151,16 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
             "busy_ttft": busy}
 
 
+def merge_points(a: dict, b: dict) -> dict:
+    """Two calibrations of one cluster as one set of points (`plan validate --bracket`): every
+    timed sample of both, and the mean of their interference factors."""
+    out = {k: list(a.get(k) or []) + list(b.get(k) or []) for k in ("prefill", "decode", "first_gaps", "busy_ttft")}
+    factors = [p["factor"] for p in (a.get("interference"), b.get("interference")) if p]
+    out["interference"] = {"factor": sum(factors) / len(factors), "each": [a.get("interference"),
+                                                                          b.get("interference")]} if factors else None
+    return out
+
+
 def _spread(length: int, streams: int, longest: int) -> list[int]:
     """Prompt lengths of one decode shape: `streams` of them evenly from half to 1.5x `length`
     (capped at `longest`). Streams that decode together in a workload differ in length, and

@@ -106,10 +106,14 @@ def _compact(r) -> dict:
 
 
 def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
-             salt: int, calibrate: bool = True) -> dict:
+             salt: int, calibrate: bool = True, bracket: bool = False) -> dict:
     """Start the case's cluster; calibrate the model on it (served decode steps, first-token
-    delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); predict; then
-    replay the case's workload on it and measure."""
+    delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); replay the case's
+    workload on it and measure; predict. With `bracket`, calibrate again after the replay and
+    fit on both sets of points, so that the machine drifting while the case runs (20-30 % in
+    one repeat of the eighth run, docs/capacity-planning.md) falls on the prediction as on the
+    measurement; the prediction then uses synthetic requests timed on both sides of the replay,
+    still never the workload itself."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -119,30 +123,37 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
     address = cluster.start()
     try:
         info = asyncio.run(model_info(address))
-        cal = {}
-        if calibrate:
-            points = serving_profile.measure_serving(address, info.vocab_size, info.max_model_len,
-                                                     serving_profile.CALIBRATE, seed=1000 + salt)
-            lm, cal = serving_profile.calibrate(lm, points)
-            cal["points"] = points
-        pred = predict(case, lm, model, dtype, transport, max_model_len)
+
+        def measure(seed: int) -> dict:
+            return serving_profile.measure_serving(address, info.vocab_size, info.max_model_len,
+                                                   serving_profile.CALIBRATE, seed=seed)
+
+        points = measure(1000 + salt) if calibrate else None
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
         records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
+        if calibrate and bracket:
+            points = serving_profile.merge_points(points, measure(2000 + salt))
     finally:
         cluster.stop()
+    cal = {}
+    if calibrate:
+        lm, cal = serving_profile.calibrate(lm, points)
+        cal["points"] = points
+    pred = predict(case, lm, model, dtype, transport, max_model_len)
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
             "requests": [_compact(r) for r in records]}
     return {"predicted": pred, "measured": meas, "calibration": cal, "latency_model": lm.to_json()}
 
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
-             max_model_len: int, calibrate: bool = True, repeats: int = 1, log=print) -> list[dict]:
+             max_model_len: int, calibrate: bool = True, repeats: int = 1, bracket: bool = False,
+             log=print) -> list[dict]:
     """Each case `repeats` times (fresh cluster, calibration and prediction each time)."""
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
         runs = [run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
-                         salt=1 + i + 100 * k, calibrate=calibrate) for k in range(repeats)]
+                         salt=1 + i + 100 * k, calibrate=calibrate, bracket=bracket) for k in range(repeats)]
         rows = compare([r["predicted"]["summary"] for r in runs], [r["measured"]["summary"] for r in runs])
         out.append({"case": asdict(case), "description": case.describe(), "rows": rows, "runs": runs,
                     "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0})

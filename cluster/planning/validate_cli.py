@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict-only", action="store_true", help="simulate the cases, run nothing real")
     p.add_argument("--no-calibrate", action="store_true",
                    help="predict from the profile as it is (no calibration on each case's cluster)")
+    p.add_argument("--bracket", action="store_true",
+                   help="calibrate before and after each replay and fit on both (the machine's drift during "
+                        "a case then lands on both sides)")
     p.add_argument("--json", default="validate.json", help="every figure, both sides, per case")
 
 
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{s['request_throughput']:.3f} req/s")
         return 0
     results = validate(cases, lm, model=args.model, dtype=args.dtype, transport=args.transport, max_model_len=max_len,
-                       calibrate=not args.no_calibrate, repeats=args.repeats)
+                       calibrate=not args.no_calibrate, repeats=args.repeats, bracket=args.bracket)
     worst = max((abs(r["rel_err"]) for res in results for r in res["rows"] if r["rel_err"] is not None), default=0.0)
     print(f"largest error {worst:.1%} (target <= {TARGET:.0%}): {'met' if worst <= TARGET else 'missed'}")
     Path(args.json).write_text(json.dumps({"profile": lm.to_json(), "results": results, "largest_error": worst},

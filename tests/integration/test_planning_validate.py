@@ -32,7 +32,7 @@ def test_served_profile_times_decode_through_the_cluster(served_profile):
 def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_path, capsys):
     out = tmp_path / "validate.json"
     rc = main(["plan", "validate", "--model", "tiny", "--profile", str(served_profile), "--cases", "disagg-low",
-               "--num-requests", "8", "--dataset", "random", "--json", str(out)])
+               "--num-requests", "8", "--dataset", "random", "--bracket", "--json", str(out)])
     assert rc == 0
     assert "largest error" in capsys.readouterr().out
     res = json.loads(out.read_text())["results"][0]
@@ -42,8 +42,12 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
                          "output_throughput"}
     assert all(r["predicted"] > 0 and r["measured"] > 0 for r in rows.values())
     # the busy-admission calibration times short prompts that arrive while a stream decodes:
-    # most of its twelve, not ones that came after the stream had ended
-    assert len(res["runs"][0]["calibration"]["points"]["busy_ttft"]) >= 8
+    # most of its twelve, not ones that came after the stream had ended; --bracket calibrates
+    # twice (before and after the replay), so there are two sets of every kind of point
+    points = res["runs"][0]["calibration"]["points"]
+    assert len(points["busy_ttft"]) >= 16
+    assert len(points["decode"]) > 8 and {b for b, _, _ in points["decode"]} == {1, 2, 4, 8}  # 8 shapes each
+    assert len(points["interference"]["each"]) == 2
     # 8 requests at 0.4 req/s: both sides are paced by the arrivals, whatever the step times
     assert rows["request_throughput"]["rel_err"] == pytest.approx(0.0, abs=0.35)
 

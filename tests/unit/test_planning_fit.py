@@ -88,3 +88,17 @@ def test_decode_shape_lengths_spread_around_the_shape_and_fit_the_context():
     assert _spread(400, 2, 2000) == [200, 600]
     assert _spread(400, 5, 2000) == [200, 300, 400, 500, 600]
     assert _spread(1536, 2, 1896) == [768, 1896]
+
+
+def test_two_calibrations_merge_into_every_sample_and_the_mean_interference():
+    from cluster.planning.serving_profile import merge_points
+
+    a = {"prefill": [(16, 0, 0.02)], "decode": [(1, 100, 0.007)], "first_gaps": [(64, 0.01)], "busy_ttft": [0.03],
+         "interference": {"factor": 0.1}}
+    b = {"prefill": [(16, 0, 0.03)], "decode": [(2, 200, 0.009)], "first_gaps": [], "busy_ttft": None,
+         "interference": {"factor": 0.3}}
+    m = merge_points(a, b)
+    assert m["prefill"] == [(16, 0, 0.02), (16, 0, 0.03)] and m["decode"] == [(1, 100, 0.007), (2, 200, 0.009)]
+    assert m["first_gaps"] == [(64, 0.01)] and m["busy_ttft"] == [0.03]
+    assert m["interference"]["factor"] == pytest.approx(0.2)
+    assert merge_points({**a, "interference": None}, {**b, "interference": None})["interference"] is None
