@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+from engine.heap import freeze_startup_heap, gc_pauses
+
 BIG_THRESHOLD = 1 << 30  # a colocated worker prefills every prompt itself
 
 
@@ -17,6 +19,13 @@ def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+    gc_pauses()  # every actor process times its garbage collections from the start
+
+
+def _with_gc(load):
+    """The worker's load view plus this process's garbage-collection pauses."""
+    load.gc = gc_pauses().stats()
+    return load
 
 
 def _bind_host(local: bool) -> str:
@@ -41,6 +50,7 @@ class PrefillActor:
 
     async def ready(self) -> str:
         await self.handle.load()
+        freeze_startup_heap()
         return self.handle.worker_id
 
     async def submit(self, task):
@@ -50,7 +60,7 @@ class PrefillActor:
         return await self.handle.cancel(request_id)
 
     async def load(self):
-        return await self.handle.load()
+        return _with_gc(await self.handle.load())
 
     def pid(self) -> int:
         return os.getpid()
@@ -78,6 +88,7 @@ class DecodeActor:
 
     async def ready(self) -> str:
         await self.handle.load()
+        freeze_startup_heap()
         return self.handle.worker_id
 
     async def admit(self, request_id, prompt_token_ids, params, channel: str):
@@ -112,7 +123,7 @@ class DecodeActor:
         return await self.handle.cancel(request_id)
 
     async def load(self):
-        return await self.handle.load()
+        return _with_gc(await self.handle.load())
 
     def pid(self) -> int:
         return os.getpid()
@@ -142,7 +153,9 @@ class RouterActor:
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
                                    max_prefill_attempts=r.max_prefill_attempts, warm_up=True)
         self.server.metrics_port = r.metrics_port
-        return await self.server.start()
+        address = await self.server.start()
+        freeze_startup_heap()
+        return address
 
     def metrics_url(self) -> str:
         """http://host:port/metrics of the router, or "" when metrics are off."""

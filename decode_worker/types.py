@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from decode_worker.worker import DecodeStage
+    from engine.heap import GcPauseStats
     from engine.sampler import TokenLogprobs
     from kv_transfer.descriptor import DestinationDescriptor
 
@@ -98,3 +99,4 @@ class DecodeLoad:
     num_preemptions: int = 0
     num_local_prefills: int = 0
     num_reprefills: int = 0
+    gc: GcPauseStats | None = None  # the worker process's garbage collections (its actor sets it)

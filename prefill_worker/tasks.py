@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.heap import GcPauseStats
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer.descriptor import DestinationDescriptor
@@ -57,3 +58,4 @@ class PrefillLoad:
     total_pages: int
     prefix_cache_hit_rate: float
     prefix_cache_queries: int = 0
+    gc: GcPauseStats | None = None  # the worker process's garbage collections (its actor sets it)

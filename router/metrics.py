@@ -14,9 +14,10 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.heap import GcPauseStats, gc_pauses
 from router.policy import WorkerView
 
 request_log = logging.getLogger("pdcluster.requests")
@@ -59,6 +60,34 @@ class WorkerCollector(Collector):
         yield from fams.values()
 
 
+class GcCollector(Collector):
+    """Garbage-collection pauses of the router's process and of every worker's (from its load
+    view), labelled {process} = "router" or the worker id: see engine.heap for why they matter."""
+
+    def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None) -> None:
+        self._views = views
+        gc_pauses()  # start timing this process's collections
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        count = CounterMetricFamily("pdcluster_gc_collections", "garbage collections", labels=["process", "generation"])
+        secs = CounterMetricFamily("pdcluster_gc_pause_seconds", "time spent in garbage collections",
+                                   labels=["process", "generation"])
+        longest = GaugeMetricFamily("pdcluster_gc_max_pause_seconds", "longest garbage collection", labels=["process"])
+        frozen = GaugeMetricFamily("pdcluster_gc_frozen_objects", "startup objects exempt from collection",
+                                   labels=["process"])
+        procs: list[tuple[str, GcPauseStats]] = [("router", gc_pauses().stats())]
+        if self._views is not None:
+            procs += [(v.worker_id, v.load.gc) for v in list(self._views().values())
+                      if getattr(v.load, "gc", None) is not None]
+        for name, st in procs:
+            for gen in range(3):
+                count.add_metric([name, str(gen)], st.collections[gen])
+                secs.add_metric([name, str(gen)], st.seconds[gen])
+            longest.add_metric([name], st.max_seconds)
+            frozen.add_metric([name], st.frozen_objects)
+        yield from (count, secs, longest, frozen)
+
+
 class RouterMetrics:
     def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None = None) -> None:
         self.registry = r = CollectorRegistry()
@@ -79,6 +108,7 @@ class RouterMetrics:
         self.waiting = Gauge("pdcluster_router_waiting_requests", "requests waiting for a slot", registry=r)
         if views is not None:
             r.register(WorkerCollector(views))
+        r.register(GcCollector(views))
         self._http = None
 
     def serve(self, host: str, port: int) -> int:
