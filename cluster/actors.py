@@ -15,11 +15,12 @@ from engine.heap import freeze_startup_heap, gc_pauses
 BIG_THRESHOLD = 1 << 30  # a colocated worker prefills every prompt itself
 
 
-def _one_thread() -> None:
+def _setup_process() -> None:
+    """One intra-op thread; time this process's garbage collections from the start."""
     import torch
 
     torch.set_num_threads(1)
-    gc_pauses()  # every actor process times its garbage collections from the start
+    gc_pauses()
 
 
 def _with_gc(load):
@@ -39,7 +40,7 @@ def _bind_host(local: bool) -> str:
 class PrefillActor:
     def __init__(self, worker_id: str, pool: str, model: str, engine, transport: str, deadline_s: float,
                  local: bool = True, begin_timeout_s: float = 300.0) -> None:
-        _one_thread()
+        _setup_process()
         from cluster.worker_handles import LocalPrefillHandle
         from kv_transfer.config import TransferConfig
         from prefill_worker import AsyncPrefillWorker, PrefillWorker
@@ -72,7 +73,7 @@ class PrefillActor:
 class DecodeActor:
     def __init__(self, worker_id: str, pool: str, role: str, model: str, engine, transport: str, deadline_s: float,
                  local: bool = True, begin_timeout_s: float = 300.0) -> None:
-        _one_thread()
+        _setup_process()
         from cluster.worker_handles import LocalDecodeHandle
         from decode_worker import AsyncDecodeWorker, DecodeConfig, DecodeWorker, TransferFailurePolicy
         from kv_transfer.config import TransferConfig
@@ -136,7 +137,7 @@ class RouterActor:
     """Hosts the gRPC server on the actor's event loop; workers are reached via Ray handles."""
 
     def __init__(self, config, prefills: list[tuple[str, str, object]], decodes: list[tuple[str, str, str, object]]) -> None:
-        _one_thread()
+        _setup_process()
         self.config = config
         self.prefills, self.decodes = prefills, decodes
         self.server = None

@@ -35,19 +35,24 @@ def freeze_startup_heap() -> int:
     return _frozen
 
 
+def unfreeze_heap() -> None:
+    """Return the frozen objects to the collector (`gc.unfreeze`)."""
+    global _frozen
+    gc.unfreeze()
+    _frozen = 0
+
+
 @contextmanager
 def heap_frozen() -> Iterator[None]:
     """`freeze_startup_heap()` for a while (a benchmark client's run); unfreezes on exit unless
     the process had frozen its heap before."""
-    global _frozen
-    before = gc.get_freeze_count()
+    before = _frozen or gc.get_freeze_count()  # the count walks what is frozen: ours is known
     freeze_startup_heap()
     try:
         yield
     finally:
         if not before:
-            gc.unfreeze()
-            _frozen = 0
+            unfreeze_heap()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from engine.heap import freeze_startup_heap, gc_pauses, heap_frozen
+from engine.heap import freeze_startup_heap, gc_pauses, heap_frozen, unfreeze_heap
 
 
 def _unfreeze_after(fn):
@@ -13,7 +13,7 @@ def _unfreeze_after(fn):
         try:
             return fn(*a, **kw)
         finally:
-            gc.unfreeze()
+            unfreeze_heap()
     wrapper.__name__ = fn.__name__
     return wrapper
 
