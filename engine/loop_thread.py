@@ -9,6 +9,13 @@ Without work the thread waits on its call queue: `idle_s` while the worker still
 open (work can appear without a call, e.g. KV arriving from a transfer thread), and `parked_s`
 when it has none (only a call can bring work then, and a call ends the wait at once). An idle
 worker thus wakes 10 times a second instead of 500, which matters on a small shared CPU.
+
+The thread applies the process's intra-op thread count (`torch.set_num_threads`) to itself
+before its first step. OpenMP keeps that count per thread, and a new thread starts from the
+default (every core): torch's own parallel loops re-apply the setting lazily, oneDNN's matmuls
+(engine.cpu_linear) do not. Without it the packed linear layers of a one-thread worker ran on
+two OpenMP threads on the 2-core VM, spinning on the core the other worker needed: the
+disaggregated arm's ITL p50 at 3.5 req/s went from 27 to 52 ms (docs/experiments.md).
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -48,6 +57,7 @@ class EngineLoopThread:
         """Handle what one `worker.step()` returned (on the loop thread)."""
 
     def _loop(self) -> None:
+        torch.set_num_threads(torch.get_num_threads())  # OpenMP's count is per thread (see above)
         while not self._stop.is_set():
             try:
                 if self.worker.has_work:
