@@ -1,14 +1,11 @@
-"""`pdcluster bench decode-step`: the engine's decode step at serving batch sizes, the default
-setting against the code before one change, in one process on the same requests:
-- `--compare attention` (default): the torch backend's decode attention cut into cache-sized
-  calls (the default on a CPU) against one call per length bucket;
-- `--compare linear`: the wide linear layers of 2-32 rows through oneDNN on packed weights
-  (engine.cpu_linear, the default for float32 on a CPU) against plain `F.linear` (MKL).
+"""`pdcluster bench decode-step`: the engine's decode step at serving batch sizes, with the torch
+backend's decode attention cut into cache-sized calls (the default on a CPU) against one call
+per length bucket (the backend before that change), in one process on the same requests.
 
 For each shape (streams, prompt tokens) one `EngineCore` takes that many requests (prompt
 lengths spread +-50 % around the given one, random token ids, `ignore_eos`), prefills them,
 then times `step()` in rounds that alternate the two settings, so the machine's drift falls on
-both alike. Each figure is the median step; the ratio is new / old (below 1: faster).
+both alike. Each figure is the median step; the ratio is cut / whole (below 1: faster).
 """
 from __future__ import annotations
 
@@ -23,9 +20,6 @@ from pathlib import Path
 from bench._timing import Summary, timed
 
 DEFAULT_SHAPES = "16x400,64x400,128x400,64x1000,128x150"
-LINEAR_SHAPES = "1x300,2x300,4x300,8x300,16x300,32x300,64x300"
-# per comparison: (new setting, old setting)
-SETTINGS = {"attention": ("cut", "whole"), "linear": ("packed", "plain")}
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -42,40 +36,15 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small", help="built-in preset or checkpoint folder (default small)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--compare", choices=sorted(SETTINGS), default="attention",
-                        help="which change to time against the code before it (default attention)")
-    parser.add_argument("--shapes", type=_shapes, default=None,
-                        help=f"STREAMSxPROMPT list (default {DEFAULT_SHAPES}; with --compare linear {LINEAR_SHAPES})")
+    parser.add_argument("--shapes", type=_shapes, default=_shapes(DEFAULT_SHAPES),
+                        help=f"STREAMSxPROMPT list (default {DEFAULT_SHAPES})")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds per shape (default 4)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round and setting (default 8)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
 
 
-def _setter(core, compare: str):
-    """(default value, set(name)) for the comparison's two settings on this engine."""
-    if compare == "linear":
-        layers = core.runner.model.packed_layers()
-        if not layers:
-            raise SystemExit("no packed linear layers: they need float32 on a CPU with oneDNN "
-                             "(engine.cpu_linear) and weights of at least 1 MiB")
-
-        def set_linear(name: str) -> None:
-            for m in layers:
-                m.active = name == "packed"
-        return set_linear
-    attn = core.runner.attn
-    if not hasattr(attn, "gather_bytes"):
-        raise SystemExit(f"the attention backend is {attn.name!r}; this benchmark is about the torch backend")
-    default = attn.gather_bytes
-
-    def set_attention(name: str) -> None:
-        attn.gather_bytes = default if name == "cut" else None
-    return set_attention
-
-
-def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, steps: int,
-             compare: str = "attention") -> dict:
+def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, steps: int) -> dict:
     from engine.core import EngineCore
     from engine.sampling_params import SamplingParams
 
@@ -93,20 +62,20 @@ def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, ste
         total += n
     while core.num_computed_prompt_tokens < total:
         core.step()
-    new, old = SETTINGS[compare]
-    use = _setter(core, compare)
-    samples: dict[str, list[float]] = {new: [], old: []}
+    attn = core.runner.attn
+    if not hasattr(attn, "gather_bytes"):
+        raise SystemExit(f"the attention backend is {attn.name!r}; this benchmark is about the torch backend")
+    default = attn.gather_bytes
+    samples: dict[str, list[float]] = {"cut": [], "whole": []}
     core.step()
     for r in range(rounds):
-        for name in ((new, old) if r % 2 == 0 else (old, new)):
-            use(name)
+        for name in (("cut", "whole") if r % 2 == 0 else ("whole", "cut")):
+            attn.gather_bytes = default if name == "cut" else None
             samples[name] += [timed(core.step)[0] for _ in range(steps)]
-    use(new)
-    a, b = Summary.of(samples[new]), Summary.of(samples[old])
-    row = {"streams": streams, "prompt": prompt, new: a.as_dict(), old: b.as_dict(), "ratio": a.median / b.median}
-    if compare == "attention":
-        row["gather_bytes"] = core.runner.attn.gather_bytes
-    return row
+    attn.gather_bytes = default
+    cut, whole = Summary.of(samples["cut"]), Summary.of(samples["whole"])
+    return {"streams": streams, "prompt": prompt, "gather_bytes": default, "cut": cut.as_dict(),
+            "whole": whole.as_dict(), "ratio": cut.median / whole.median}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,20 +86,18 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    new, old = SETTINGS[args.compare]
-    shapes = args.shapes or _shapes(LINEAR_SHAPES if args.compare == "linear" else DEFAULT_SHAPES)
     print(f"decode step: {args.model} {args.dtype}, {args.threads} thread(s), torch {torch.__version__}, "
-          f"{args.compare}: {new} against {old}, {args.rounds} rounds x {args.steps} steps per setting", flush=True)
-    print(f"{'streams':>8} {'prompt':>7} {new + ' (ms)':>12} {old + ' (ms)':>12} {'ratio':>7}")
+          f"{args.rounds} rounds x {args.steps} steps per setting", flush=True)
+    print(f"{'streams':>8} {'prompt':>7} {'cut (ms)':>10} {'whole (ms)':>11} {'ratio':>7}")
     rows = []
-    for streams, prompt in shapes:
-        row = _measure(args.model, args.dtype, streams, prompt, args.rounds, args.steps, args.compare)
+    for streams, prompt in args.shapes:
+        row = _measure(args.model, args.dtype, streams, prompt, args.rounds, args.steps)
         rows.append(row)
-        print(f"{streams:>8} {prompt:>7} {row[new]['median'] * 1e3:>12.1f} {row[old]['median'] * 1e3:>12.1f} "
+        print(f"{streams:>8} {prompt:>7} {row['cut']['median'] * 1e3:>10.1f} {row['whole']['median'] * 1e3:>11.1f} "
               f"{row['ratio']:>7.2f}", flush=True)
     if args.json is not None:
         doc = {"benchmark": "decode-step", "rows": rows, "started_at": started,
-               "settings": {"compare": args.compare, "model": args.model, "dtype": args.dtype, "threads": args.threads,
+               "settings": {"model": args.model, "dtype": args.dtype, "threads": args.threads,
                             "rounds": args.rounds, "steps": args.steps, "torch": torch.__version__,
                             "python": platform.python_version(), "machine": platform.machine()}}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, UnsupportedModelError
-from engine.cpu_linear import packing_available
 from engine.model import DecoderLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -97,6 +96,4 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
         state[ours] = value.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, max_positions, dtype).to(device)
-    if packing_available(device, dtype):
-        model.pack_for_cpu()
     return model.eval()

@@ -12,10 +12,10 @@ worker thus wakes 10 times a second instead of 500, which matters on a small sha
 
 The thread applies the process's intra-op thread count (`torch.set_num_threads`) to itself
 before its first step. OpenMP keeps that count per thread, and a new thread starts from the
-default (every core): torch's own parallel loops re-apply the setting lazily, oneDNN's matmuls
-(engine.cpu_linear) do not. Without it the packed linear layers of a one-thread worker ran on
-two OpenMP threads on the 2-core VM, spinning on the core the other worker needed: the
-disaggregated arm's ITL p50 at 3.5 req/s went from 27 to 52 ms (docs/experiments.md).
+default (every core): torch's own parallel loops re-apply the setting lazily, but a library that
+calls OpenMP directly does not. oneDNN's matmuls did not (tried for small decode batches, since
+reverted): in one-thread workers they ran on two OpenMP threads on the 2-core VM, spinning on the
+core the other worker needed.
 """
 from __future__ import annotations
 

@@ -90,25 +90,6 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
-        self.__dict__["tied_logits"] = None  # a PackedLinear over embed_tokens.weight once packed (not a submodule)
-
-    def pack_for_cpu(self) -> int:
-        """Route the wide matmuls of small batches through oneDNN (engine.cpu_linear); the bytes
-        the packed weights add."""
-        from engine.cpu_linear import MIN_WEIGHT_BYTES, PackedLinear, pack_linears
-
-        added = pack_linears(self)
-        if self.lm_head is None and self.embed_tokens.weight.nbytes >= MIN_WEIGHT_BYTES:
-            self.__dict__["tied_logits"] = PackedLinear(self.embed_tokens.weight, None)
-            added += self.embed_tokens.weight.nbytes
-        return added
-
-    def packed_layers(self) -> list:
-        """Every PackedLinear of the model (none unless `pack_for_cpu` ran), the tied logits' included."""
-        from engine.cpu_linear import PackedLinear
-
-        tied = self.__dict__["tied_logits"]
-        return [m for m in self.modules() if isinstance(m, PackedLinear)] + ([tied] if tied is not None else [])
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn: AttentionBackend, kv_caches: list[torch.Tensor],
@@ -125,7 +106,5 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        tied = self.__dict__["tied_logits"]
-        return (tied(hidden) if tied is not None else F.linear(hidden, self.embed_tokens.weight)).float()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

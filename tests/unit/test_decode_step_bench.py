@@ -22,15 +22,3 @@ def test_decode_step_bench_rejects_bad_shapes(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "decode-step", "--shapes", "64by400"])
     assert "--shapes must be STREAMSxPROMPT" in capsys.readouterr().err
-
-
-def test_decode_step_bench_compares_packed_linear_layers(tmp_path, capsys):
-    out = tmp_path / "lin.json"
-    assert main(["bench", "decode-step", "--model", "tiny", "--compare", "linear", "--shapes", "2x20",
-                 "--rounds", "2", "--steps", "2", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert doc["settings"]["compare"] == "linear"
-    row = doc["rows"][0]
-    assert row["packed"]["n"] == row["plain"]["n"] == 4
-    assert row["ratio"] == pytest.approx(row["packed"]["median"] / row["plain"]["median"])
-    assert "packed against plain" in capsys.readouterr().out
