@@ -94,7 +94,9 @@ class Simulator:
                 for w in workers:
                     others = [o for o in workers if o is not w]
                     # what the calibration measures: a neighbour's prefill slows this worker's
-                    # steps; neighbours that only decode were not seen to (plan validate)
+                    # steps. A neighbour that only decodes slows a 512-token prefill too (1.2-1.5x
+                    # here), but modelling that overshot the validation runs' TTFT p90 by 8-14
+                    # points (docs/capacity-planning.md), so it is left out
                     w.slowdown = lambda others=others: 1.0 + cluster.host_interference * sum(
                         o.prefilling for o in others)
         self._view = {v.worker: v for v in self.prefills + self.decodes}

@@ -181,8 +181,8 @@ def test_plan_simulate_cli_rejects_bad_input(argv, needle, capsys):
 def test_a_prefill_slows_a_worker_sharing_its_host_only_while_it_runs():
     """While a prefill runs on another worker of the same host, a decode stream's steps take
     (1 + interference) x longer; the prefill itself is not slowed by a neighbour that only
-    decodes (what plan validate's calibration measures, and what the real runs showed);
-    before and after, nothing is slowed. A KV hand-off delays the second token."""
+    decodes (a modelling choice: docs/capacity-planning.md); before and after, nothing is
+    slowed. A KV hand-off delays the second token."""
     lm = LatencyModel(prefill=(0.0, 0.001, 0.0, 0.0), decode=(0.01, 0.0, 0.0), kv_bytes_per_token=1,
                       transfer_bytes_per_s=1e12)
     pools = [SimPool("p", "prefill", 1, lm, BIG, host="h"), SimPool("d", "decode", 1, lm, BIG, host="h")]
