@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow proto bench-engine clean
+.PHONY: setup kernels demo test test-slow proto bench-engine clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,15 +15,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
 
-demo: $(STAMP)
+# The CPU attention kernel, compiled for this machine (~30 s once, then cached; a no-op load
+# after). Built here so that no engine or Ray actor pays for it on its first step.
+kernels: $(STAMP)
+	$(BIN)/python -m engine.attention.cpu_ext
+
+demo: $(STAMP) kernels
 	$(BIN)/pdcluster demo-cluster
 
-test: $(STAMP)
+test: $(STAMP) kernels
 	$(BIN)/python -m pytest -q tests
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) kernels
 	$(BIN)/python -m pytest -q -m slow tests
 
 bench-engine: $(STAMP)

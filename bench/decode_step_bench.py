@@ -1,11 +1,15 @@
-"""`pdcluster bench decode-step`: the engine's decode step at serving batch sizes, with the torch
-backend's decode attention cut into cache-sized calls (the default on a CPU) against one call
-per length bucket (the backend before that change), in one process on the same requests.
+"""`pdcluster bench decode-step`: the engine's decode step at serving batch sizes, with decode
+attention in the compiled CPU kernel (`attention_backend="cpu"`, the default on a CPU) against
+the torch reference backend (gather + SDPA), in one process on the same requests.
 
 For each shape (streams, prompt tokens) one `EngineCore` takes that many requests (prompt
 lengths spread +-50 % around the given one, random token ids, `ignore_eos`), prefills them,
-then times `step()` in rounds that alternate the two settings, so the machine's drift falls on
-both alike. Each figure is the median step; the ratio is cut / whole (below 1: faster).
+then times `step()` in rounds that alternate the two backends (swapped on the runner: neither
+keeps state across steps), so the machine's drift falls on both alike. Each figure is the
+median step; the ratio is cpu / torch (below 1: the kernel is faster).
+
+(Before commit 5 Dec 2026 "engine/attention: a compiled CPU decode-attention kernel" this
+benchmark compared the torch backend's cache-sized gather against one call per bucket.)
 """
 from __future__ import annotations
 
@@ -62,20 +66,22 @@ def _measure(model: str, dtype: str, streams: int, prompt: int, rounds: int, ste
         total += n
     while core.num_computed_prompt_tokens < total:
         core.step()
-    attn = core.runner.attn
-    if not hasattr(attn, "gather_bytes"):
-        raise SystemExit(f"the attention backend is {attn.name!r}; this benchmark is about the torch backend")
-    default = attn.gather_bytes
-    samples: dict[str, list[float]] = {"cut": [], "whole": []}
+    from engine.attention import cpu_ext, create_backend
+
+    if not cpu_ext.available():
+        raise SystemExit(f"this benchmark compares the CPU kernel with the torch backend: {cpu_ext.unavailable_reason()}")
+    spec = core.runner.attn.spec
+    backends = {"cpu": create_backend("cpu", spec), "torch": create_backend("torch", spec)}
+    samples: dict[str, list[float]] = {name: [] for name in backends}
     core.step()
     for r in range(rounds):
-        for name in (("cut", "whole") if r % 2 == 0 else ("whole", "cut")):
-            attn.gather_bytes = default if name == "cut" else None
+        for name in (("cpu", "torch") if r % 2 == 0 else ("torch", "cpu")):
+            core.runner.attn = backends[name]
             samples[name] += [timed(core.step)[0] for _ in range(steps)]
-    attn.gather_bytes = default
-    cut, whole = Summary.of(samples["cut"]), Summary.of(samples["whole"])
-    return {"streams": streams, "prompt": prompt, "gather_bytes": default, "cut": cut.as_dict(),
-            "whole": whole.as_dict(), "ratio": cut.median / whole.median}
+    core.runner.attn = backends["cpu"]
+    cpu, ref = Summary.of(samples["cpu"]), Summary.of(samples["torch"])
+    return {"streams": streams, "prompt": prompt, "cpu": cpu.as_dict(), "torch": ref.as_dict(),
+            "ratio": cpu.median / ref.median}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     print(f"decode step: {args.model} {args.dtype}, {args.threads} thread(s), torch {torch.__version__}, "
           f"{args.rounds} rounds x {args.steps} steps per setting", flush=True)
-    print(f"{'streams':>8} {'prompt':>7} {'cut (ms)':>10} {'whole (ms)':>11} {'ratio':>7}")
+    print(f"{'streams':>8} {'prompt':>7} {'cpu (ms)':>10} {'torch (ms)':>11} {'ratio':>7}")
     rows = []
     for streams, prompt in args.shapes:
         row = _measure(args.model, args.dtype, streams, prompt, args.rounds, args.steps)
         rows.append(row)
-        print(f"{streams:>8} {prompt:>7} {row['cut']['median'] * 1e3:>10.1f} {row['whole']['median'] * 1e3:>11.1f} "
+        print(f"{streams:>8} {prompt:>7} {row['cpu']['median'] * 1e3:>10.1f} {row['torch']['median'] * 1e3:>11.1f} "
               f"{row['ratio']:>7.2f}", flush=True)
     if args.json is not None:
         doc = {"benchmark": "decode-step", "rows": rows, "started_at": started,

@@ -15,7 +15,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
-    ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: cache-sized attention calls vs one per bucket"),
+    ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: the compiled CPU attention kernel vs the torch backend"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
     ("bench", "workers"): ("bench.workers_bench", "prefill + decode workers vs colocated: second-token latency, ITL"),
     ("bench", "serve"): ("bench.serve.cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),

@@ -48,13 +48,15 @@ class EngineSettings(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     dtype: str | None = Field(None, description="float32 (CPU default), bfloat16, float16")
+    attention_backend: Literal["auto", "cpu", "torch", "flashinfer"] = Field(
+        "auto", description="auto: flashinfer on CUDA where installed, the compiled CPU kernel on CPUs, else torch")
     local_prefill_threshold: int = Field(0, ge=0, description="decode: prefill here below this many uncached tokens")
     reserve_pages: int = Field(0, ge=0, description="decode: pages kept free for the running batch")
     on_transfer_failure: Literal["fail", "reprefill"] = "fail"
 
     def engine_kwargs(self) -> dict:
         kw = dict(page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                  max_num_seqs=self.max_num_seqs)
+                  max_num_seqs=self.max_num_seqs, attention_backend=self.attention_backend)
         for name in ("num_pages", "max_model_len", "dtype"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)

@@ -1,5 +1,8 @@
 """Attention backends behind one interface (see base.py), picked by name through a small
-registry so that optional ones (flashinfer, CUDA only) are imported lazily."""
+registry so that optional ones (flashinfer, CUDA only) are imported lazily.
+
+`auto` picks flashinfer on a CUDA device where it is installed, the compiled CPU kernel on a CPU
+where it builds (cpu_ext.py), and the plain torch reference otherwise."""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +14,7 @@ from engine.attention.base import AttentionBackend, AttentionSpec, BatchLayout, 
 
 _BACKENDS = {
     "torch": "engine.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "engine.attention.cpu_backend:CpuAttentionBackend",
     "flashinfer": "engine.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 BACKEND_NAMES = ("auto", *_BACKENDS)
@@ -24,7 +28,13 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
     if name == "auto":
-        return "flashinfer" if flashinfer_available(device) else "torch"
+        if flashinfer_available(device):
+            return "flashinfer"
+        from engine.attention import cpu_ext  # builds the kernel on first use
+
+        return "cpu" if device.type == "cpu" and cpu_ext.available() else "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend='cpu' needs a CPU device; device is {device.type!r}")
     if name == "flashinfer" and not flashinfer_available(device):
         raise ValueError(
             "attention_backend='flashinfer' needs a CUDA device and the flashinfer-python package "

@@ -127,17 +127,9 @@ class TorchAttentionBackend(AttentionBackend):
         layout = self.layout
         write_kv(kv_cache, layout.slot_mapping, k, v)
         scale = self.spec.scale
-        num_kv, group = self.spec.num_kv_heads, self.spec.num_q_heads // self.spec.num_kv_heads
-        head_dim = q.shape[-1]
-        flat = kv_cache.view(-1, num_kv, head_dim)
+        flat = kv_cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         out = torch.empty_like(q)
-        for b in self.buckets:
-            n = b.q_rows.numel()
-            ks = flat.index_select(0, b.kv_rows).view(n, b.max_len, num_kv, head_dim).transpose(1, 2)
-            vs = flat.index_select(0, b.kv_rows + layout.page_size).view(n, b.max_len, num_kv, head_dim).transpose(1, 2)
-            qs = q.index_select(0, b.q_rows).view(n, num_kv, group, head_dim)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, scale=scale)
-            out.index_copy_(0, b.q_rows, o.reshape(n, -1, head_dim))
+        self._attend_decodes(q, kv_cache, out)
         if self.rows is not None:
             keys = flat.index_select(0, self.rows)
             values = flat.index_select(0, self.rows + layout.page_size)
@@ -154,6 +146,20 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             out[s.q_start : s.q_end] = o[0].transpose(0, 1)
         return out
+
+    def _attend_decodes(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill the decode-shaped rows of `out`: one padded, masked SDPA call per bucket."""
+        num_kv, head_dim = self.spec.num_kv_heads, self.spec.head_dim
+        group = self.spec.num_q_heads // num_kv
+        flat = kv_cache.view(-1, num_kv, head_dim)
+        page_size = self.layout.page_size
+        for b in self.buckets:
+            n = b.q_rows.numel()
+            ks = flat.index_select(0, b.kv_rows).view(n, b.max_len, num_kv, head_dim).transpose(1, 2)
+            vs = flat.index_select(0, b.kv_rows + page_size).view(n, b.max_len, num_kv, head_dim).transpose(1, 2)
+            qs = q.index_select(0, b.q_rows).view(n, num_kv, group, head_dim)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, scale=self.spec.scale)
+            out.index_copy_(0, b.q_rows, o.reshape(n, -1, head_dim))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Greedy output equals Hugging Face transformers token for token, for every architecture,
-page size (1, 16, and 7 which divides none of the prompt lengths), and with chunked prefill."""
+page size (1, 16, and 7 which divides none of the prompt lengths), both CPU attention backends
+(the compiled kernel and the torch reference), and with chunked prefill."""
 from __future__ import annotations
 
 import pytest
 
 from engine import SamplingParams
+from engine.attention import cpu_ext
 from tests.conftest import ARCHS
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -29,11 +31,15 @@ def reference(tiny_model):
     return get
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("page_size", [1, 16, 7])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, page_size, reference, make_llm):
+def test_greedy_matches_transformers(arch, page_size, backend, reference, make_llm):
+    if backend == "cpu" and not cpu_ext.available():
+        pytest.skip(f"no CPU kernel on this machine: {cpu_ext.unavailable_reason()}")  # only without a compiler (unit test)
     model_dir, prompts, expected = reference(arch)
-    llm = make_llm(model_dir, page_size=page_size)
+    llm = make_llm(model_dir, page_size=page_size, attention_backend=backend)
+    assert llm.runner.attn.name == backend
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, out, ref in zip(prompts, outs, expected):
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverges"

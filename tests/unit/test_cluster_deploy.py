@@ -52,6 +52,7 @@ def test_dockerfile_serves():
     ([{"name": "a", "role": "colocated", "replicas": 0}], "replicas"),
     ([{"name": "a", "role": "colocated", "engine": {"page_size": 0}}], "page_size"),
     ([{"name": "a", "role": "colocated", "engine": {"tensor_parallel_size": 2}}], "tensor_parallel_size"),
+    ([{"name": "a", "role": "colocated", "engine": {"attention_backend": "fast"}}], "attention_backend"),
     ([{"name": "a", "role": "gpu"}], "role"),
     ([{"name": "a", "role": "colocated", "bogus": 1}], "bogus"),
 ])

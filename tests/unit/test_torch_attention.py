@@ -40,12 +40,13 @@ def _dense_reference(batch, spec, cache):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_attention_matches_dense_softmax(case, page_size):
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_paged_attention_matches_dense_softmax(case, page_size, backend_name):
     hq, hkv, d = 8, 4, 32
     spec = AttentionSpec(hq, hkv, d, page_size, torch.float32, torch.device("cpu"), d**-0.5)
     batch = random_paged_batch(CASES[case], page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend("torch", spec)
+    backend = create_backend(backend_name, spec)
     backend.plan(batch.layout)
     cache = batch.kv_cache.clone()
     out = backend.forward(0, batch.q, batch.k, batch.v, cache)
@@ -88,3 +89,57 @@ def test_a_cpu_bucket_is_cut_at_the_gather_budget_and_still_matches():
     out_cut = cut.forward(0, batch.q, batch.k, batch.v, cache)
     torch.testing.assert_close(out_cut, out_whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out_cut.double(), _dense_reference(batch, spec, cache), atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_kernel_builds_where_there_is_a_compiler():
+    """`auto` falls back to the torch backend when the kernel cannot be built; a build that breaks
+    on a machine with a compiler must fail here rather than silently slow every CPU engine."""
+    import shutil
+
+    from engine.attention import cpu_ext, resolve_backend_name
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        assert not cpu_ext.available()
+        assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    else:
+        assert cpu_ext.available(), cpu_ext.unavailable_reason()
+        assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_in_half_precision_matches_dense_softmax(dtype):
+    """The kernel reads 16-bit caches and accumulates in float32: within the output dtype's rounding."""
+    hq, hkv, d = 8, 2, 64
+    spec = AttentionSpec(hq, hkv, d, 16, dtype, torch.device("cpu"), d**-0.5)
+    batch = random_paged_batch(CASES["mixed"], page_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               dtype=dtype, device=torch.device("cpu"))
+    backend = create_backend("cpu", spec)
+    backend.plan(batch.layout)
+    cache = batch.kv_cache.clone()
+    out = backend.forward(0, batch.q, batch.k, batch.v, cache)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), _dense_reference(batch, spec, cache), atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_backend_takes_decodes_wherever_they_sit_in_the_batch():
+    """A one-token prompt is decode-shaped but is scheduled after the prefills: the kernel's rows
+    are gathered, not assumed to be the batch's first ones."""
+    import dataclasses
+
+    hq, hkv, d = 8, 4, 32
+    spec = AttentionSpec(hq, hkv, d, 16, torch.float32, torch.device("cpu"), d**-0.5)
+    made = random_paged_batch([(40, 1), (0, 1), (0, 20)], page_size=16, num_q_heads=hq, num_kv_heads=hkv,
+                              head_dim=d, dtype=torch.float32, device=torch.device("cpu"))
+    lay = made.layout
+    order, rows = [0, 2, 1], torch.tensor([0, *range(2, 22), 1])  # move the one-token prompt last
+    layout = dataclasses.replace(
+        lay, query_lens=[lay.query_lens[i] for i in order], context_lens=[lay.context_lens[i] for i in order],
+        block_tables=[lay.block_tables[i] for i in order], num_decodes=1, slot_mapping=lay.slot_mapping[rows],
+    )
+    batch = dataclasses.replace(made, layout=layout, q=made.q[rows], k=made.k[rows], v=made.v[rows])
+    backend = create_backend("cpu", spec)
+    backend.plan(batch.layout)
+    assert backend.decodes[0].tolist() == [0, 21]
+    cache = batch.kv_cache.clone()
+    out = backend.forward(0, batch.q, batch.k, batch.v, cache)
+    torch.testing.assert_close(out.double(), _dense_reference(batch, spec, cache), atol=1e-5, rtol=1e-5)
