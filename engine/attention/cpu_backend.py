@@ -3,10 +3,8 @@
 The torch backend gathers every decode's K/V rows into a contiguous copy and runs SDPA on it,
 so each byte of context is read from memory, written, and read again. On a CPU a decode step is
 bound by those reads. `csrc/paged_decode.cpp` walks each sequence's pages directly, scoring a
-chunk of tokens for all query heads of a KV head at once and folding it into an online softmax,
-so the context is read once. Measured on a 2-core EPYC (small model: 4 KV heads x 32, fp32, one
-layer, contexts spread 100-2,000): 0.27-0.54x the torch backend's time (docs/benchmarks.md,
-"CPU decode attention kernel").
+chunk of tokens for all query heads at once and folding it into an online softmax, so the
+context is read once (docs/benchmarks.md, "CPU decode attention kernel").
 
 Prefill-shaped sequences (many query tokens: compute-bound) stay on the torch backend's SDPA.
 """
@@ -27,6 +25,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"attention_backend='cpu' needs a CPU device, got {torch.device(spec.device).type!r}")
         cpu_ext.load()  # raises with the reason when the kernel cannot be built here
         super().__init__(spec)
+        self.portable = False  # True: the kernel's plain-C loop even where its AVX2 one runs (tests)
 
     def _plan_decodes(self, decodes, kv_rows, dev) -> list:
         """Per decode: its query row, page table (int32, zero-padded) and context length."""
@@ -51,8 +50,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         row_index, tables, lens = self.decodes
         if row_index is None:
             n = lens.numel()
-            cpu_ext.paged_decode_attention(out[:n], q[:n].contiguous(), kv_cache, tables, lens, self.spec.scale)
+            cpu_ext.paged_decode_attention(out[:n], q[:n].contiguous(), kv_cache, tables, lens, self.spec.scale,
+                                           portable=self.portable)
         else:
             o = torch.empty((row_index.numel(), *q.shape[1:]), dtype=q.dtype)
-            cpu_ext.paged_decode_attention(o, q.index_select(0, row_index), kv_cache, tables, lens, self.spec.scale)
+            cpu_ext.paged_decode_attention(o, q.index_select(0, row_index), kv_cache, tables, lens, self.spec.scale,
+                                           portable=self.portable)
             out.index_copy_(0, row_index, o)

@@ -85,11 +85,17 @@ def unavailable_reason() -> str | None:
 
 
 def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float) -> None:
+                           context_lens: torch.Tensor, scale: float, *, portable: bool = False) -> None:
     """out[b] = softmax(q[b] K_b^T * scale) V_b for one query token per sequence, K_b/V_b read in place
     from the pages `block_tables[b]` (int32 [B, max_pages]) over `context_lens[b]` (int32 [B]) tokens.
-    q and out: [B, Hq, D] contiguous; kv_cache: [pages, 2, page_size, Hkv, D] contiguous (base.py)."""
-    load().paged_decode_attention(out, q, kv_cache, block_tables, context_lens, scale)
+    q and out: [B, Hq, D] contiguous; kv_cache: [pages, 2, page_size, Hkv, D] contiguous (base.py).
+    `portable` runs the plain-C loop even where the AVX2 one would (for tests)."""
+    load().paged_decode_attention(out, q, kv_cache, block_tables, context_lens, scale, portable)
+
+
+def has_simd() -> bool:
+    """Whether this build has the AVX2 loop (x86 with AVX2 and FMA)."""
+    return bool(load().has_simd())
 
 
 if __name__ == "__main__":  # `make setup` builds it ahead of the first engine

@@ -38,15 +38,23 @@ def _dense_reference(batch, spec, cache):
     return torch.cat(out)
 
 
+def _backend(name, spec):
+    """'cpu-portable': the CPU kernel's plain-C loop, which x86 machines with AVX2 otherwise skip."""
+    backend = create_backend(name.removesuffix("-portable"), spec)
+    if name.endswith("-portable"):
+        backend.portable = True
+    return backend
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "cpu-portable"])
 def test_paged_attention_matches_dense_softmax(case, page_size, backend_name):
     hq, hkv, d = 8, 4, 32
     spec = AttentionSpec(hq, hkv, d, page_size, torch.float32, torch.device("cpu"), d**-0.5)
     batch = random_paged_batch(CASES[case], page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                dtype=torch.float32, device=torch.device("cpu"))
-    backend = create_backend(backend_name, spec)
+    backend = _backend(backend_name, spec)
     backend.plan(batch.layout)
     cache = batch.kv_cache.clone()
     out = backend.forward(0, batch.q, batch.k, batch.v, cache)
@@ -106,14 +114,16 @@ def test_the_cpu_kernel_builds_where_there_is_a_compiler():
         assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
 
 
+@pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cpu_kernel_in_half_precision_matches_dense_softmax(dtype):
+def test_cpu_kernel_in_half_precision_matches_dense_softmax(dtype, portable):
     """The kernel reads 16-bit caches and accumulates in float32: within the output dtype's rounding."""
     hq, hkv, d = 8, 2, 64
     spec = AttentionSpec(hq, hkv, d, 16, dtype, torch.device("cpu"), d**-0.5)
     batch = random_paged_batch(CASES["mixed"], page_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                dtype=dtype, device=torch.device("cpu"))
     backend = create_backend("cpu", spec)
+    backend.portable = portable
     backend.plan(batch.layout)
     cache = batch.kv_cache.clone()
     out = backend.forward(0, batch.q, batch.k, batch.v, cache)
@@ -140,6 +150,20 @@ def test_cpu_backend_takes_decodes_wherever_they_sit_in_the_batch():
     backend = create_backend("cpu", spec)
     backend.plan(batch.layout)
     assert backend.decodes[0].tolist() == [0, 21]
+    cache = batch.kv_cache.clone()
+    out = backend.forward(0, batch.q, batch.k, batch.v, cache)
+    torch.testing.assert_close(out.double(), _dense_reference(batch, spec, cache), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(12, 4, 64), (6, 6, 128), (5, 1, 40), (16, 2, 16)])
+def test_cpu_kernel_head_shapes(hq, hkv, d):
+    """Query heads not a multiple of eight (the AVX2 loop pads them), MHA, head sizes it does not
+    take (40: the plain loop), and a wide group."""
+    spec = AttentionSpec(hq, hkv, d, 16, torch.float32, torch.device("cpu"), d**-0.5)
+    batch = random_paged_batch(CASES["spread"], page_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               dtype=torch.float32, device=torch.device("cpu"))
+    backend = create_backend("cpu", spec)
+    backend.plan(batch.layout)
     cache = batch.kv_cache.clone()
     out = backend.forward(0, batch.q, batch.k, batch.v, cache)
     torch.testing.assert_close(out.double(), _dense_reference(batch, spec, cache), atol=1e-5, rtol=1e-5)
