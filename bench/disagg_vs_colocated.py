@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an SLO set 'name=ttft:MS,itl:MS' (repeatable); default: DEFAULT_SLOS (stall-free, "
                         "decode-bound, TTFT-bound); the goodput target is judged under the first")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "flashinfer"),
+                   help="engine attention backend on both arms (default auto)")
     p.add_argument("--arms", default="disaggregated,colocated",
                    help="which arms to run (comma list of disaggregated, colocated); with one arm there are "
                         "no ratios: for A/B runs of one arm across commits")
@@ -85,10 +87,10 @@ def _parse_slos(items: list[str] | None) -> dict[str, dict[str, float]]:
     return out
 
 
-def _arm_config(arm: str, model: str, dtype: str, transport: str):
+def _arm_config(arm: str, model: str, dtype: str, transport: str, attention_backend: str = "auto"):
     from cluster.config import ClusterConfig
 
-    engine = {"dtype": dtype}
+    engine = {"dtype": dtype, "attention_backend": attention_backend}
     if arm == "disaggregated":
         return ClusterConfig.embedded(model=model, prefill=1, decode=1, transport=transport, port=0, engine=engine)
     return ClusterConfig.embedded(model=model, decode=2, mode="colocated", transport=transport, port=0,
@@ -150,7 +152,8 @@ def _simulate_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> 
     max_len = int(profile.meta.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
     results = []
     for arm in _arms(args):
-        cluster = sim_cluster(_arm_config(arm, args.model, args.dtype, args.transport), profile=profile,
+        config = _arm_config(arm, args.model, args.dtype, args.transport, args.attention_backend)
+        cluster = sim_cluster(config, profile=profile,
                               max_model_len=max_len)
         for i, rate in enumerate(rates):
             res = simulate(cluster, _workload(args, rate, i, max_len, None))
@@ -176,7 +179,7 @@ def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> l
 
     results = []
     for arm in _arms(args):
-        cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport))
+        cluster = Cluster(_arm_config(arm, args.model, args.dtype, args.transport, args.attention_backend))
         address = cluster.start()
         try:
             info = _model_info(address)
