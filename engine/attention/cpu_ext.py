@@ -3,8 +3,9 @@
 Built with torch's C++ extension loader and the machine's compiler (`-O3 -march=native`), so
 it is vectorised for the CPU it runs on. The module name carries a digest of the source, the
 flags, the torch version and the CPU's feature flags: a build directory shared between unlike
-machines (a home directory on NFS) never hands one machine another's binary. `make setup` builds
-it once (`python -m engine.attention.cpu_ext`); a process only loads it afterwards (~0.3 s).
+machines (a home directory on NFS) never hands one machine another's binary, and a library found
+under that name is always current, so a process imports it directly without running the build
+tool or taking its lock. `make setup` builds it once (`python -m engine.attention.cpu_ext`).
 
 Without a compiler the kernel is unavailable: `available()` says so with the reason, and
 `attention_backend="auto"` falls back to the plain torch backend.
@@ -12,7 +13,9 @@ Without a compiler the kernel is unavailable: `available()` says so with the rea
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import os
 import platform
 import shutil
 import sys
@@ -49,6 +52,28 @@ def module_name() -> str:
     return f"pdcluster_cpu_attn_{digest.hexdigest()[:12]}"
 
 
+def build_directory() -> Path:
+    """Where the module is built: $TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions (torch's own
+    default root, without importing its slow extension loader), then the module's name."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return Path(root) / module_name()
+
+
+def _import_built(path: Path) -> ModuleType | None:
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. a library cut short by a killed build: build it again
+        log.warning("could not import %s (%s); rebuilding", path, exc)
+        return None
+    return module
+
+
 def load() -> ModuleType:
     """The compiled module, building it on first use. Raises RuntimeError when it cannot be built."""
     global _module, _error
@@ -58,12 +83,16 @@ def load() -> ModuleType:
         if _error is not None:
             raise RuntimeError(_error)
         try:
-            if shutil.which("c++") is None and shutil.which("g++") is None:
-                raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
-            from torch.utils.cpp_extension import load as load_extension
+            name, where = module_name(), build_directory()
+            _module = _import_built(where / f"{name}.so")
+            if _module is None:
+                if shutil.which("c++") is None and shutil.which("g++") is None:
+                    raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+                from torch.utils.cpp_extension import load as load_extension
 
-            _module = load_extension(name=module_name(), sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-                                     verbose=False)
+                where.mkdir(parents=True, exist_ok=True)
+                _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                                         build_directory=str(where), verbose=False)
         except Exception as exc:  # noqa: BLE001 - any build failure means: not available here
             _error = f"the CPU attention kernel could not be built: {type(exc).__name__}: {exc}"
             log.warning("%s; attention_backend='auto' uses the torch backend", _error)

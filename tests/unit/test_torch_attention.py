@@ -107,11 +107,24 @@ def test_the_cpu_kernel_builds_where_there_is_a_compiler():
     from engine.attention import cpu_ext, resolve_backend_name
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        assert not cpu_ext.available()
-        assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
-    else:
-        assert cpu_ext.available(), cpu_ext.unavailable_reason()
-        assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+        pytest.skip("no C++ compiler here; the fallback is checked by the next test")
+    assert cpu_ext.available(), cpu_ext.unavailable_reason()
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+
+
+def test_without_a_compiler_or_a_built_kernel_auto_is_the_torch_backend(monkeypatch, tmp_path, caplog):
+    from engine.attention import cpu_ext, resolve_backend_name
+
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "_error", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no compiler
+    assert not cpu_ext.available()
+    assert "no C++ compiler" in cpu_ext.unavailable_reason()
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        create_backend("cpu", AttentionSpec(8, 4, 32, 16, torch.float32, torch.device("cpu"), 32**-0.5))
+    assert "uses the torch backend" in caplog.text
 
 
 @pytest.mark.parametrize("portable", [False, True])
