@@ -134,4 +134,4 @@ if __name__ == "__main__":  # `make setup` builds it ahead of the first engine
     except RuntimeError as exc:
         print(f"{exc}\n(the engine will use the torch attention backend on CPUs)", file=sys.stderr)
         sys.exit(0)
-    print(f"built {module_name()} for {platform.machine()}")
+    print(f"CPU attention kernel ready: {build_directory()} ({platform.machine()}, AVX2 loop: {has_simd()})")
