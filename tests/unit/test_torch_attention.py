@@ -180,3 +180,19 @@ def test_cpu_kernel_head_shapes(hq, hkv, d):
     cache = batch.kv_cache.clone()
     out = backend.forward(0, batch.q, batch.k, batch.v, cache)
     torch.testing.assert_close(out.double(), _dense_reference(batch, spec, cache), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_refuses_tables_that_would_read_outside_the_cache():
+    from engine.attention import cpu_ext
+
+    cache = torch.zeros(4, 2, 16, 2, 32)
+    q, out = torch.zeros(1, 4, 32), torch.zeros(1, 4, 32)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        cpu_ext.paged_decode_attention(out, q, cache, torch.tensor([[4]], dtype=torch.int32),
+                                       torch.tensor([3], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        cpu_ext.paged_decode_attention(out, q, cache, torch.tensor([[0]], dtype=torch.int32),
+                                       torch.tensor([17], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_ext.paged_decode_attention(out, q, cache.bfloat16(), torch.tensor([[0]], dtype=torch.int32),
+                                       torch.tensor([3], dtype=torch.int32), 0.1)

@@ -293,13 +293,31 @@ template <typename T> constexpr bool simd_ok() {
 // block_tables: int32 [B, max_pages]; context_lens: int32 [B]
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                             torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool portable) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32);
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(1) == 2, "q must be [B, Hq, D] and kv_cache "
+              "[pages, 2, page_size, Hkv, D]");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "q, out, kv_cache must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
+              kv_cache.scalar_type() == q.scalar_type(), "out and kv_cache must match q's shape/dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+              block_tables.is_contiguous() && context_lens.is_contiguous(), "block_tables, context_lens: contiguous int32");
   const int64_t B = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t ps = kv_cache.size(2), hkv = kv_cache.size(3);
+  const int64_t num_pages = kv_cache.size(0), ps = kv_cache.size(2), hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == d && hkv > 0 && hq % hkv == 0, "head_dim must match and Hq be a multiple of Hkv");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
+              "block_tables must be [B, max_pages] and context_lens [B]");
   const int64_t max_pages = block_tables.size(1);
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* cl = context_lens.data_ptr<int32_t>();
+  // Out-of-range pages or lengths would read outside the cache: refuse them (cheap next to the reads).
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(cl[b] >= 1 && cl[b] <= max_pages * ps, "context_lens[", b, "] = ", cl[b], " outside [1, ",
+                max_pages * ps, "]");
+    for (int64_t p = 0, n = (cl[b] + ps - 1) / ps; p < n; ++p) {
+      const int32_t page = bt[b * max_pages + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block_tables[", b, ", ", p, "] = ", page, " outside [0, ",
+                  num_pages, ")");
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
