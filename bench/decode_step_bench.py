@@ -8,8 +8,8 @@ then times `step()` in rounds that alternate the two backends (swapped on the ru
 keeps state across steps), so the machine's drift falls on both alike. Each figure is the
 median step; the ratio is cpu / torch (below 1: the kernel is faster).
 
-(Before commit 5 Dec 2026 "engine/attention: a compiled CPU decode-attention kernel" this
-benchmark compared the torch backend's cache-sized gather against one call per bucket.)
+(Up to commit f4c2401, which added the kernel, this benchmark compared the torch backend's
+cache-sized gather against one call per bucket; docs/benchmarks.md keeps those figures.)
 """
 from __future__ import annotations
 
