@@ -62,9 +62,15 @@ void decode_one(const scalar_t* q,      // [Hq, D] of this sequence
   const int64_t hq = hkv * group;
   const int64_t row = hkv * d;          // one token's K (or V) for all heads
   const int64_t page_stride = 2 * ps * row;
-  std::vector<float> qf(hq * d), acc(hq * d, 0.0f), m(hq, -INFINITY), l(hq, 0.0f);
-  std::vector<float> s(hq * kChunk);
-  std::vector<const scalar_t*> krow(kChunk), vrow(kChunk);
+  // per-thread scratch, reused across sequences and calls (no allocation per decode)
+  thread_local std::vector<float> qf, acc, m, l, s;
+  qf.resize(hq * d);
+  acc.assign(hq * d, 0.0f);
+  m.assign(hq, -INFINITY);
+  l.assign(hq, 0.0f);
+  s.resize(hq * kChunk);
+  const scalar_t* krow[kChunk];
+  const scalar_t* vrow[kChunk];
   for (int64_t i = 0; i < hq * d; ++i) qf[i] = to_f(q[i]) * scale;
   for (int64_t t0 = 0; t0 < ctx; t0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, ctx - t0);
