@@ -247,6 +247,115 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
             "streams": streams}
 
 
+# the synthetic load run of `plan validate` (fit_load): Poisson arrivals at the case's rate for
+# about `duration_s`, prompts and outputs uniform in these ranges (the validation trace's prompts
+# are mostly 200-1,000 tokens, its outputs 10-150: the same regime, never its requests)
+LOAD = {"input_range": (128, 1024), "output_range": (16, 128), "duration_s": 60.0, "min_requests": 24}
+
+
+def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int | None = None,
+                  grid: dict = LOAD) -> Workload:
+    """Synthetic requests arriving as a Poisson process at `rate` (the case's), for the load run."""
+    from bench.serve.workloads import build_workload
+
+    if not rate > 0:
+        raise ValueError(f"the load run needs a request rate > 0, got {rate}")
+    lo_out, hi_out = grid["output_range"]
+    hi_in = max(min(grid["input_range"][1], max_model_len - hi_out - 2), 1)
+    lo_in = min(grid["input_range"][0], hi_in)
+    n = num_requests or max(grid["min_requests"], round(rate * grid["duration_s"]))
+    return build_workload("random", num_requests=n, request_rate=rate, seed=seed, input_range=(lo_in, hi_in),
+                          output_range=(lo_out, hi_out))
+
+
+def _decode_window(m: dict) -> tuple[float, float]:
+    a = m["start_s"] + m["ttft_s"]
+    return a, a + m["tpot_s"] * (m["output_tokens"] - 1)
+
+
+def _streams_during(recs: list[dict], a: float, b: float, worker, same: bool) -> float:
+    """Streams decoding in [a, b], time-averaged, on `worker` (same) or on any other worker."""
+    n = 0.0
+    for o in recs:
+        if (o["server"].get("decode_worker") == worker) == same:
+            lo, hi = _decode_window(o)
+            n += max(0.0, min(b, hi) - max(a, lo))
+    return n / (b - a)
+
+
+def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: float = 0.0,
+             min_tokens: int = 8) -> dict:
+    """What a staggered load costs beyond the calibrated model, from one run of synthetic
+    requests: measured (what the client saw) and predicted (the simulator with the calibrated
+    model, the same requests), each request as `validate._compact` gives it.
+
+    The calibration times b streams that start together on an otherwise idle cluster, and
+    prefills one at a time. Under a Poisson load streams join and leave a running batch one by
+    one, each arrival bringing a prefill, a KV hand-off and admissions while the others step,
+    and the workers, router and client share the host's cores. In the thirteenth validation run
+    (docs/capacity-planning.md) a lone stream was predicted right (measured / predicted mean gap
+    0.98-1.04) and each further stream decoding at the same time added 0.26-0.31; a prompt
+    prefilled while streams decoded elsewhere took ~0.3 x its prefill longer per such stream,
+    and one prefilled on a quiet host still ~5 ms longer than predicted. Fitted here:
+
+    - load_same: per request of at least `min_tokens` outputs, measured / predicted mean later
+      gap - 1 = load_same x (streams decoding on its worker - 1) + load_other x (streams
+      decoding on other workers), stream counts time-averaged over its decoding window, least
+      squares through the origin (a lone stream is what the calibration measured);
+    - load_other: the mean of that fit's term (where some request had a neighbour decode) and
+      the TTFT fit's: measured - predicted TTFT - ttft_offset = load_other x (predicted TTFT -
+      first_token_delay_s) x (streams decoding on other workers during it);
+    - ttft_offset_s: the median of measured - predicted TTFT over requests no stream decoded
+      beside (what the first token's path costs under the load's arrivals, over the idle
+      calibration's), added to the first-token delay.
+    All clipped at 0 (the offset at -first_token_delay_s)."""
+    pred = {p["index"]: p for p in predicted if p.get("ok")}
+    recs = [m for m in measured if m.get("ok") and m["output_tokens"] >= 2]
+    gaps, ttfts = [], []
+    for m in measured:
+        p = pred.get(m["index"])
+        if not m.get("ok") or not p:
+            continue
+        worker = m["server"].get("decode_worker")
+        prefilled_on = m["server"].get("prefill_worker") or worker  # colocated: the server leaves it empty
+        a, b = m["start_s"], m["start_s"] + m["ttft_s"]
+        if b > a:
+            others = [o for o in recs if o is not m]
+            beside = _streams_during(others, a, b, prefilled_on, same=False)
+            here = _streams_during(others, a, b, prefilled_on, same=True)
+            ttfts.append((beside, here, max(p["ttft_s"] - first_token_delay_s, 0.0), m["ttft_s"] - p["ttft_s"]))
+        if m["output_tokens"] < min_tokens or not p.get("mean_later_gap_s") or not m.get("mean_later_gap_s"):
+            continue
+        a, b = _decode_window(m)
+        if b > a:
+            gaps.append((_streams_during(recs, a, b, worker, same=True) - 1.0,
+                         _streams_during(recs, a, b, worker, same=False),
+                         m["mean_later_gap_s"] / p["mean_later_gap_s"] - 1.0))
+    out = {"load_same": 0.0, "load_other": 0.0, "ttft_offset_s": 0.0, "requests": len(gaps)}
+    other = []
+    if len(gaps) >= 4:
+        g = np.asarray(gaps, dtype=float)
+        cols = [0] + ([1] if np.any(g[:, 1] > 0.05) else [])
+        coef, *_ = np.linalg.lstsq(g[:, cols], g[:, 2], rcond=None)
+        out["load_same"] = max(float(coef[0]), 0.0)
+        if len(cols) > 1:
+            other.append(max(float(coef[1]), 0.0))
+        out.update(mean_ratio=float(1.0 + g[:, 2].mean()), mean_streams_same=float(1.0 + g[:, 0].mean()),
+                   mean_streams_other=float(g[:, 1].mean()))
+    quiet = [d for beside, here, _, d in ttfts if beside + here < 0.3]
+    if len(quiet) >= 4:
+        out["ttft_offset_s"] = max(float(statistics.median(quiet)), -first_token_delay_s)
+    busy = [(beside * prefill, d - out["ttft_offset_s"]) for beside, _, prefill, d in ttfts if beside >= 0.3]
+    if len(busy) >= 3 and any(x > 0 for x, _ in busy):
+        x, y = np.asarray(busy, dtype=float).T
+        other.append(max(float(x @ y / (x @ x)), 0.0))
+        out["load_other_ttft"] = other[-1]
+    if other:
+        out["load_other"] = float(np.mean(other))
+    out["ttft_requests"] = len(ttfts)
+    return out
+
+
 def _reshaped_prefill(engine_lm: LatencyModel, curve: list[tuple[int, float]], p3: float) -> tuple:
     """p0..p2 refitted to the engine's prefill curve times the served/engine ratio measured at
     each served length (1 up to SHORT_PROMPT, interpolated in log length, held flat past the

@@ -20,9 +20,11 @@ costing the pages it covers, plus one entry for each request's unshared pages, c
 pages not held by running requests. Pages a request reuses still count against the pool
 (as in the engine, a hit saves compute, not memory).
 
-The step time is the pool's `LatencyModel.step_time`, times `slowdown()` (a neighbour on the
-same host's cores prefilling slows this worker down). What the worker does with a request
-that reached its first token or finished is its owner's business (`on_sampled`).
+The step time is the pool's `LatencyModel.step_time`, times `1 + load_per_stream` per decoding
+sequence past the first (what a served worker pays under staggered load beyond its calibrated
+step), times `slowdown()` (neighbours on the same host's cores prefilling or decoding slow this
+worker down). What the worker does with a request that reached its first token or finished is
+its owner's business (`on_sampled`).
 """
 from __future__ import annotations
 
@@ -123,6 +125,7 @@ class _Step:
     end: float
     scheduled: list  # (request, new tokens)
     prefills: bool = False  # any prompt tokens in it (what slows a neighbour down)
+    decodes: int = 0        # sequences decoding in it (what slows a neighbour down under load)
 
 
 class EngineSim:
@@ -138,6 +141,9 @@ class EngineSim:
         self.on_sampled = on_sampled
         # x step time from neighbours busy on the same host (set by the owner; None = alone)
         self.slowdown: Callable[[], float] | None = None
+        # x (1 + this per decoding sequence past the first): what a served worker's steps pay
+        # under a staggered load beyond the calibrated step (serving_profile.fit_load)
+        self.load_per_stream = 0.0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.arrived: deque[SimRequest] = deque()  # KV here, waiting for a sequence slot
@@ -163,6 +169,10 @@ class EngineSim:
     @property
     def prefilling(self) -> bool:
         return self.step is not None and self.step.prefills
+
+    @property
+    def decoding(self) -> int:
+        return self.step.decodes if self.step is not None else 0
 
     @property
     def has_work(self) -> bool:
@@ -290,9 +300,11 @@ class EngineSim:
         if self.cache.pages > self.free_pages:
             self.cache.shrink(self.free_pages)
         dur = self.latency.step_time(chunks, num_dec, ctx)
+        if self.load_per_stream and num_dec > 1:
+            dur *= 1.0 + self.load_per_stream * (num_dec - 1)
         if self.slowdown is not None:
             dur *= self.slowdown()
-        self.step = _Step(now, now + dur, chosen, bool(chunks))
+        self.step = _Step(now, now + dur, chosen, bool(chunks), num_dec)
         self.steps += 1
         self.busy_s += dur
         self.batched_tokens += lim.max_num_batched_tokens - budget

@@ -45,6 +45,8 @@ class SimCluster:
     kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
     host_interference: float = 0.0     # step time x (1 + this x other workers prefilling on the same host)
     busy_admit_s: float = 0.0          # a decode worker admits between steps; this much later while it steps
+    load_same: float = 0.0             # step time x (1 + this x decoding sequences past the first), under load
+    load_other: float = 0.0            # step time x (1 + this x sequences decoding on other workers of the host)
     hash_page_size: int = 0            # the router's block hashes (0: the first prefill/colocated pool's pages)
 
     def __post_init__(self) -> None:

@@ -85,7 +85,9 @@ class Simulator:
                 v = _View(w, wv, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
                 (self.prefills if pool.role == "prefill" else self.decodes).append(v)
                 self._order.append(v)
-        if cluster.host_interference:
+        for v in self._order:
+            v.worker.load_per_stream = cluster.load_same
+        if cluster.host_interference or cluster.load_other:
             by_host: dict[str, list[EngineSim]] = {}
             for pool, v in zip((p for p in cluster.pools for _ in range(p.replicas)), self._order):
                 if pool.host:
@@ -94,11 +96,13 @@ class Simulator:
                 for w in workers:
                     others = [o for o in workers if o is not w]
                     # what the calibration measures: a neighbour's prefill slows this worker's
-                    # steps. A neighbour that only decodes slows a 512-token prefill too (1.2-1.5x
-                    # here), but modelling that overshot the validation runs' TTFT p90 by 8-14
-                    # points (docs/capacity-planning.md), so it is left out
-                    w.slowdown = lambda others=others: 1.0 + cluster.host_interference * sum(
-                        o.prefilling for o in others)
+                    # steps (host_interference, from a controlled measurement), and so, under a
+                    # staggered load, do the streams a neighbour decodes (load_other, per stream,
+                    # fitted on a synthetic load run: serving_profile.fit_load), on every step,
+                    # prefills included. A fixed 1.3x on prefills next to any decoding neighbour
+                    # overshot the validation runs' TTFT p90 by 8-14 points (docs/capacity-planning.md)
+                    w.slowdown = lambda others=others: 1.0 + sum(
+                        cluster.host_interference * o.prefilling + cluster.load_other * o.decoding for o in others)
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
         self._policy = make_policy(cluster.policy, cluster.hash_page_size)

@@ -86,12 +86,14 @@ def case_workload(case: Case, max_model_len: int) -> Workload:
                           max_model_len=max_model_len, request_rate=case.request_rate, seed=case.seed)
 
 
-def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int) -> dict:
+def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int,
+            workload: Workload | None = None) -> dict:
+    """The case's cluster simulated on its workload (or on `workload`, same cluster)."""
     from cluster.planning.sim_config import sim_cluster
     from cluster.planning.simulator import simulate
 
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
-    res = simulate(cluster, case_workload(case, max_model_len))
+    res = simulate(cluster, workload if workload is not None else case_workload(case, max_model_len))
     return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s,
             "requests": [_compact(r) for r in res.records]}
 
@@ -106,14 +108,21 @@ def _compact(r) -> dict:
 
 
 def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
-             salt: int, calibrate: bool = True, bracket: bool = False) -> dict:
+             salt: int, calibrate: bool = True, bracket: bool = False, load: bool = True,
+             load_requests: int | None = None) -> dict:
     """Start the case's cluster; calibrate the model on it (served decode steps, first-token
     delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); replay the case's
     workload on it and measure; predict. With `bracket`, calibrate again after the replay and
     fit on both sets of points, so that the machine drifting while the case runs (20-30 % in
     one repeat of the eighth run, docs/capacity-planning.md) falls on the prediction as on the
     measurement; the prediction then uses synthetic requests timed on both sides of the replay,
-    still never the workload itself."""
+    still never the workload itself.
+
+    With `load` (and `calibrate`), a run of synthetic requests at the case's rate
+    (`serving_profile.load_workload`) follows the first calibration: simulated with the
+    calibrated model and compared request by request with what it measured, it gives how much
+    slower streams decode under a staggered load, per stream alongside
+    (`serving_profile.fit_load`), which the prediction then carries."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -129,6 +138,12 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
                                                    serving_profile.CALIBRATE, seed=seed)
 
         points = measure(1000 + salt) if calibrate else None
+        load_wl = load_records = None
+        if calibrate and load:
+            load_wl = serving_profile.load_workload(case.request_rate, info.max_model_len, seed=3000 + salt,
+                                                    num_requests=load_requests)
+            materialize_prompts(load_wl, info.vocab_size, seed=4000 + salt)
+            load_records, _, _ = asyncio.run(run_benchmark(address, load_wl, progress=False, run_tag="load"))
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
         records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
         if calibrate and bracket:
@@ -139,6 +154,12 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
     if calibrate:
         lm, cal = serving_profile.calibrate(lm, points)
         cal["points"] = points
+        if load_wl is not None:
+            sim = predict(case, lm, model, dtype, transport, max_model_len, workload=load_wl)
+            cal["load"] = fit = serving_profile.fit_load([_compact(r) for r in load_records], sim["requests"],
+                                                         first_token_delay_s=lm.meta["first_token_delay_s"])
+            lm.meta.update(load_same=fit["load_same"], load_other=fit["load_other"],
+                           first_token_delay_s=lm.meta["first_token_delay_s"] + fit["ttft_offset_s"])
     pred = predict(case, lm, model, dtype, transport, max_model_len)
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
             "requests": [_compact(r) for r in records]}
@@ -147,13 +168,14 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
              max_model_len: int, calibrate: bool = True, repeats: int = 1, bracket: bool = False,
-             log=print) -> list[dict]:
+             load: bool = True, load_requests: int | None = None, log=print) -> list[dict]:
     """Each case `repeats` times (fresh cluster, calibration and prediction each time)."""
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
         runs = [run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
-                         salt=1 + i + 100 * k, calibrate=calibrate, bracket=bracket) for k in range(repeats)]
+                         salt=1 + i + 100 * k, calibrate=calibrate, bracket=bracket, load=load,
+                         load_requests=load_requests) for k in range(repeats)]
         rows = compare([r["predicted"]["summary"] for r in runs], [r["measured"]["summary"] for r in runs])
         out.append({"case": asdict(case), "description": case.describe(), "rows": rows, "runs": runs,
                     "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0})

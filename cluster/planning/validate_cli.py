@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bracket", action="store_true",
                    help="calibrate before and after each replay and fit on both (the machine's drift during "
                         "a case then lands on both sides)")
+    p.add_argument("--no-load", action="store_true",
+                   help="skip the synthetic load run that fits the slow-down of streams decoding alongside "
+                        "others (serving_profile.fit_load)")
+    p.add_argument("--load-requests", type=int,
+                   help=">= 4 requests in the load run (default: the case's rate x 60 s, at least 24)")
     p.add_argument("--json", default="validate.json", help="every figure, both sides, per case")
 
 
@@ -47,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.num_requests is not None and args.num_requests < 1:
         print(f"pdcluster plan validate: --num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
+        return 2
+    if args.load_requests is not None and args.load_requests < 4:
+        print(f"pdcluster plan validate: --load-requests must be >= 4, got {args.load_requests}", file=sys.stderr)
         return 2
     from bench.serve.workloads import KINDS
 
@@ -74,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{s['request_throughput']:.3f} req/s")
         return 0
     results = validate(cases, lm, model=args.model, dtype=args.dtype, transport=args.transport, max_model_len=max_len,
-                       calibrate=not args.no_calibrate, repeats=args.repeats, bracket=args.bracket)
+                       calibrate=not args.no_calibrate, repeats=args.repeats, bracket=args.bracket,
+                       load=not args.no_load, load_requests=args.load_requests)
     worst = max((abs(r["rel_err"]) for res in results for r in res["rows"] if r["rel_err"] is not None), default=0.0)
     print(f"largest error {worst:.1%} (target <= {TARGET:.0%}): {'met' if worst <= TARGET else 'missed'}")
     Path(args.json).write_text(json.dumps({"profile": lm.to_json(), "results": results, "largest_error": worst},

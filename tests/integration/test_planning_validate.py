@@ -32,7 +32,7 @@ def test_served_profile_times_decode_through_the_cluster(served_profile):
 def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_path, capsys):
     out = tmp_path / "validate.json"
     rc = main(["plan", "validate", "--model", "tiny", "--profile", str(served_profile), "--cases", "disagg-low",
-               "--num-requests", "8", "--dataset", "random", "--bracket", "--json", str(out)])
+               "--num-requests", "8", "--dataset", "random", "--bracket", "--load-requests", "6", "--json", str(out)])
     assert rc == 0
     assert "largest error" in capsys.readouterr().out
     res = json.loads(out.read_text())["results"][0]
@@ -48,6 +48,15 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
     assert len(points["busy_ttft"]) >= 16
     assert len(points["decode"]) > 8 and {b for b, _, _ in points["decode"]} == {1, 2, 4, 8}  # 8 shapes each
     assert len(points["interference"]["each"]) == 2
+    # the load run: six synthetic requests at the case's rate, each compared with its simulated
+    # self; the fitted slow-down per stream alongside is what the prediction carried
+    load = res["runs"][0]["calibration"]["load"]
+    assert load["requests"] == 6 and load["ttft_requests"] == 6
+    assert load["load_same"] >= 0.0 and load["load_other"] >= 0.0
+    meta = res["runs"][0]["latency_model"]["meta"]
+    assert (meta["load_same"], meta["load_other"]) == (load["load_same"], load["load_other"])
+    assert meta["first_token_delay_s"] == pytest.approx(res["runs"][0]["calibration"]["first_token_delay_s"]
+                                                        + load["ttft_offset_s"])
     # 8 requests at 0.4 req/s: both sides are paced by the arrivals, whatever the step times
     assert rows["request_throughput"]["rel_err"] == pytest.approx(0.0, abs=0.35)
 
@@ -55,3 +64,5 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
 def test_validate_rejects_unknown_cases(capsys):
     assert main(["plan", "validate", "--cases", "nope"]) == 2
     assert "--cases must name some of" in capsys.readouterr().err
+    assert main(["plan", "validate", "--load-requests", "3"]) == 2
+    assert "--load-requests must be >= 4, got 3" in capsys.readouterr().err

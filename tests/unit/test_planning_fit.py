@@ -102,3 +102,71 @@ def test_two_calibrations_merge_into_every_sample_and_the_mean_interference():
     assert m["first_gaps"] == [(64, 0.01)] and m["busy_ttft"] == [0.03]
     assert m["interference"]["factor"] == pytest.approx(0.2)
     assert merge_points({**a, "interference": None}, {**b, "interference": None})["interference"] is None
+
+
+def _load_record(index, worker, start, ratio=1.0, gap=0.1, tokens=11):
+    """A request decoding for one second from `start` on `worker` (its window: TTFT to TTFT +
+    TPOT x (tokens - 1)): the measured side's later gaps at `ratio` x the predicted ones."""
+    rec = {"index": index, "ok": True, "start_s": start, "ttft_s": 0.0, "output_tokens": tokens,
+           "server": {"decode_worker": worker}}
+    return ({**rec, "tpot_s": 1.0 / (tokens - 1), "mean_later_gap_s": gap * ratio},
+            {**rec, "tpot_s": gap, "mean_later_gap_s": gap})
+
+
+def test_load_fit_recovers_the_slow_down_per_stream_alongside():
+    """Streams decoding together on one worker, and on a neighbour, slower than predicted by
+    0.3 per stream on the same worker and 0.1 per stream next door: the fit finds both; a lone
+    stream's ratio is what it is measured against (through the origin)."""
+    from cluster.planning.serving_profile import fit_load
+
+    k_same, k_other = 0.3, 0.1
+    specs = [(0, "a", 0.0, 1.0),                                      # alone
+             (1, "a", 2.0, 1 + k_same + k_other), (2, "a", 2.0, 1 + k_same + k_other),
+             (3, "b", 2.0, 1 + 2 * k_other),                          # next to two streams on a
+             (4, "b", 5.0, 1.0),
+             (5, "b", 8.0, 1 + k_other), (6, "a", 8.0, 1 + k_other)]
+    pairs = [_load_record(*s) for s in specs]
+    fit = fit_load([m for m, _ in pairs], [p for _, p in pairs])
+    assert fit["requests"] == 7
+    assert fit["load_same"] == pytest.approx(k_same, abs=1e-9) and fit["load_other"] == pytest.approx(k_other, abs=1e-9)
+    # one decode worker: nothing next door to fit, load_other stays 0
+    one = [_load_record(i, "d", s, r) for i, (s, r) in enumerate([(0, 1.0), (2, 1.3), (2, 1.3), (5, 1.0)])]
+    fit = fit_load([m for m, _ in one], [p for _, p in one])
+    assert fit["load_same"] == pytest.approx(0.3) and fit["load_other"] == 0.0
+    # faster than predicted under load: no negative slow-down; too short streams do not count
+    fast = [_load_record(i, "d", s, r) for i, (s, r) in enumerate([(0, 1.0), (2, 0.8), (2, 0.8), (5, 1.0)])]
+    assert fit_load([m for m, _ in fast], [p for _, p in fast])["load_same"] == 0.0
+    short = [_load_record(i, "d", 0.0, 1.5, tokens=5) for i in range(6)]
+    fit = fit_load([m for m, _ in short], [p for _, p in short])
+    assert (fit["requests"], fit["load_same"], fit["load_other"], fit["ttft_offset_s"]) == (0, 0.0, 0.0, 0.0)
+
+
+def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_token():
+    """Disaggregated: prompts prefilled on the prefill worker while streams decode on the decode
+    worker take load_other x their prefill longer per stream; prompts on a quiet host a fixed
+    offset longer than predicted. The fit finds both, the prefill being the predicted TTFT less
+    the first-token delay."""
+    from cluster.planning.serving_profile import fit_load
+
+    delay, offset, k = 0.02, 0.005, 0.3
+    measured, predicted = [], []
+    # four quiet prompts, then two streams decoding from t=10 to 20 with prompts prefilled beside them
+    for i, (start, ttft) in enumerate([(0.0, 0.05), (2.0, 0.12), (4.0, 0.07), (6.0, 0.2)]):
+        rec = {"index": i, "ok": True, "start_s": start, "output_tokens": 1,
+               "server": {"prefill_worker": "p", "decode_worker": "d"}}
+        predicted.append({**rec, "ttft_s": ttft, "tpot_s": None, "mean_later_gap_s": None})
+        measured.append({**rec, "ttft_s": ttft + offset, "tpot_s": None, "mean_later_gap_s": None})
+    for i in (4, 5):
+        rec = {"index": i, "ok": True, "start_s": 9.9, "output_tokens": 101, "server": {"prefill_worker": "p",
+                                                                                         "decode_worker": "d"}}
+        predicted.append({**rec, "ttft_s": 0.1, "tpot_s": 0.1, "mean_later_gap_s": 0.1})
+        measured.append({**rec, "ttft_s": 0.1, "tpot_s": 0.1, "mean_later_gap_s": 0.1})
+    for i, ttft in zip((6, 7, 8), (0.05, 0.1, 0.3)):
+        rec = {"index": i, "ok": True, "start_s": 2.0 * i, "output_tokens": 1,  # 12-16 s
+               "server": {"prefill_worker": "p", "decode_worker": "d"}}
+        predicted.append({**rec, "ttft_s": ttft, "tpot_s": None, "mean_later_gap_s": None})
+        slow = offset + k * 2 * (ttft - delay)
+        measured.append({**rec, "ttft_s": ttft + slow, "tpot_s": None, "mean_later_gap_s": None})
+    fit = fit_load(measured, predicted, first_token_delay_s=delay)
+    assert fit["ttft_offset_s"] == pytest.approx(offset) and fit["load_other"] == pytest.approx(k)
+    assert fit["ttft_requests"] == 9

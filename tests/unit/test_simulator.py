@@ -197,6 +197,28 @@ def test_a_prefill_slows_a_worker_sharing_its_host_only_while_it_runs():
     assert shared[0].itls_s[0] == pytest.approx(alone[0].itls_s[0] + 0.005)
 
 
+def test_load_factors_slow_steps_by_streams_alongside_on_the_worker_and_on_its_neighbours():
+    """load_same: a step decoding b sequences takes (1 + load_same x (b - 1)) x the model's
+    time, a lone stream none; load_other: a worker's steps take (1 + load_other) x longer per
+    sequence a neighbour on the same host is decoding, and nothing when it is alone."""
+    lm = LatencyModel(prefill=(0.0, 1e-6, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+    two = [(0.0, 4, 101), (0.0, 4, 101)]
+    base = simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)]), wl(two)).records
+    slow = simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)], load_same=0.3), wl(two)).records
+    assert slow[0].tpot_s == pytest.approx(1.3 * base[0].tpot_s, rel=1e-6)
+    one = [(0.0, 4, 101)]
+    assert simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)], load_same=0.3), wl(one)).records[0].tpot_s \
+        == pytest.approx(0.01, rel=1e-6)
+    # two colocated workers on one host, one stream each (placement spreads them)
+    pools = [SimPool("c", "colocated", 2, lm, BIG, host="h")]
+    apart = simulate(SimCluster(pools, load_other=0.25), wl(two)).records
+    assert {r.server["decode_worker"] for r in apart} == {"c-0", "c-1"}
+    assert all(r.tpot_s == pytest.approx(0.0125, rel=0.02) for r in apart)
+    no_host = [SimPool("c", "colocated", 2, lm, BIG)]
+    assert all(r.tpot_s == pytest.approx(0.01, rel=1e-6)
+               for r in simulate(SimCluster(no_host, load_other=0.25), wl(two)).records)
+
+
 @pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
 def test_disagg_vs_colocated_predicted_shows_colocated_prefill_stalls(tmp_path, capsys):
     """`bench disagg-vs-colocated --simulate` runs both arms on the same requests without a
