@@ -67,9 +67,11 @@ def fit_grid(grid: dict, max_model_len: int) -> dict:
 
 
 def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = False, seed: int = 0,
-                   transports=TRANSPORTS, page_size: int = 16, serving: bool = False) -> dict:
+                   transports=TRANSPORTS, page_size: int = 16, serving: bool = False,
+                   load_rate: float | None = None, load_requests: int | None = None) -> dict:
     """With `serving`, decode steps and the first token's delay are then measured through a
-    real local cluster as well (serving_profile.py), and those go into the latency model."""
+    real local cluster as well (serving_profile.py), and those go into the latency model; with
+    `load_rate` too, a load run at that rate fits what staggered load costs beyond them."""
     from engine import SamplingParams
     from engine.core import EngineCore
 
@@ -141,7 +143,11 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
         from cluster.planning.serving_profile import profile_serving
 
         del eng  # its KV memory, before the cluster's workers take theirs
-        lm, served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"))
+        lm, served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"),
+                                     load_rate=load_rate, load_requests=load_requests)
         fits["served_decode"] = served["decode_fit"]
         points.update(served_prefill=served["points"]["prefill"], served_decode=served["points"]["decode"])
-    return {"latency_model": lm.to_json(), "fit": fits, "points": points, "model": model, "dtype": dtype}
+    out = {"latency_model": lm.to_json(), "fit": fits, "points": points, "model": model, "dtype": dtype}
+    if serving and "load" in served:
+        out["load"] = served["load"]  # the load run's fit (not a least-squares fit of points like the others)
+    return out

@@ -18,6 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serving", action="store_true",
                         help="also time decode steps and the first token's delay through a real local cluster "
                              "(router, Ray, gRPC): what the simulator should predict for a served endpoint")
+    parser.add_argument("--load-rate", type=float,
+                        help="with --serving: also serve synthetic requests at this rate (req/s, > 0; about 60 s) "
+                             "and fit what a staggered load costs beyond the controlled shapes (the rate the "
+                             "workload you will simulate runs at)")
+    parser.add_argument("--load-requests", type=int,
+                        help=">= 4 requests in the load run (default: the rate x 60 s, at least 24)")
     parser.add_argument("--crosscheck-h100", action="store_true",
                         help="instead: roofline vs Vidur H100 Llama-2 7B/70B MLP profiles, print the errors")
 
@@ -44,17 +50,31 @@ def run(args: argparse.Namespace) -> int:
 
     transports = tuple(t for t in args.transports.split(",") if t)
     bad = [t for t in transports if t not in TRANSPORTS]
+    if args.load_rate is not None and not (args.serving and args.load_rate > 0):
+        print(f"pdcluster plan profile: --load-rate must be > 0 and needs --serving (got {args.load_rate}, "
+              f"--serving {'on' if args.serving else 'off'})", file=sys.stderr)
+        return 2
+    if args.load_requests is not None and (args.load_requests < 4 or args.load_rate is None):
+        print(f"pdcluster plan profile: --load-requests must be >= 4 and needs --load-rate (got "
+              f"{args.load_requests})", file=sys.stderr)
+        return 2
     if bad or args.page_size < 1:
         print(f"pdcluster plan profile: --transports must be a comma list of {', '.join(TRANSPORTS)} (got {bad}) "
               f"and --page-size >= 1 (got {args.page_size})", file=sys.stderr)
         return 2
     res = profile_engine(args.model, args.dtype, args.quick, transports=transports, page_size=args.page_size,
-                         serving=args.serving)
+                         serving=args.serving, load_rate=args.load_rate,
+                         load_requests=args.load_requests)
     Path(args.out).write_text(json.dumps(res, indent=2))
     for k, f in res["fit"].items():
         print(f"{k}: coef={f['coef']} r2={f['r2']:.3f} max_rel_err={f['max_rel_err']:.2f} n={f['n']}")
     delay = res["latency_model"]["meta"].get("first_token_delay_s")
     if delay is not None:
         print(f"served first-token delay over the engine's prefill: {delay * 1e3:.1f} ms")
+    load = res.get("load")
+    if load:
+        print(f"under load ({args.load_rate:g} req/s, {load['requests']} streams): x(1 + {load['load_same']:.2f}) "
+              f"per stream alongside on a worker, x(1 + {load['load_other']:.2f}) per stream on a neighbour, "
+              f"first token +{load['ttft_offset_s'] * 1e3:.1f} ms")
     print(f"wrote {args.out}")
     return 0
