@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from bench.serve.metrics import summarize
 from bench.serve.workloads import Workload, build_workload, materialize_prompts
 from cluster.planning.latency import LatencyModel
+from cluster.planning.serving_profile import compact_record
 
 FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
            ("request_throughput", None), ("output_throughput", None))
@@ -95,16 +96,7 @@ def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
     res = simulate(cluster, workload if workload is not None else case_workload(case, max_model_len))
     return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s,
-            "requests": [_compact(r) for r in res.records]}
-
-
-def _compact(r) -> dict:
-    """What the comparison needs of one request record, both sides alike."""
-    gaps = r.itls_s
-    return {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ok": r.ok,
-            "start_s": r.start_s, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "first_gap_s": gaps[0] if gaps else None,
-            "mean_later_gap_s": sum(gaps[1:]) / len(gaps[1:]) if len(gaps) > 1 else None,
-            "server": {k: v for k, v in r.server.items() if isinstance(v, (int, float, str, bool))}}
+            "requests": [compact_record(r) for r in res.records]}
 
 
 def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
@@ -118,11 +110,11 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
     measurement; the prediction then uses synthetic requests timed on both sides of the replay,
     still never the workload itself.
 
-    With `load` (and `calibrate`), a run of synthetic requests at the case's rate
-    (`serving_profile.load_workload`) follows the first calibration: simulated with the
-    calibrated model and compared request by request with what it measured, it gives how much
-    slower streams decode under a staggered load, per stream alongside
-    (`serving_profile.fit_load`), which the prediction then carries."""
+    With `load` (and `calibrate`), a load run follows the first calibration: synthetic requests
+    with the case's length distribution (not its requests) arriving at the case's rate
+    (`serving_profile.load_workload`). Simulated with the calibrated model and
+    compared request by request with what it measured, it gives what a staggered load costs
+    beyond the calibration (`serving_profile.fit_load`), which the prediction then carries."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -138,12 +130,10 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
                                                    serving_profile.CALIBRATE, seed=seed)
 
         points = measure(1000 + salt) if calibrate else None
-        load_wl = load_records = None
-        if calibrate and load:
-            load_wl = serving_profile.load_workload(case.request_rate, info.max_model_len, seed=3000 + salt,
-                                                    num_requests=load_requests)
-            materialize_prompts(load_wl, info.vocab_size, seed=4000 + salt)
-            load_records, _, _ = asyncio.run(run_benchmark(address, load_wl, progress=False, run_tag="load"))
+        # the load run's lengths follow the case's length distribution (log-normal, two moments each)
+        load_run = serving_profile.run_load(address, info.vocab_size, info.max_model_len, case.request_rate,
+                                            seed=3000 + salt, num_requests=load_requests, like=wl) \
+            if calibrate and load else None
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
         records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
         if calibrate and bracket:
@@ -154,15 +144,13 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
     if calibrate:
         lm, cal = serving_profile.calibrate(lm, points)
         cal["points"] = points
-        if load_wl is not None:
-            sim = predict(case, lm, model, dtype, transport, max_model_len, workload=load_wl)
-            cal["load"] = fit = serving_profile.fit_load([_compact(r) for r in load_records], sim["requests"],
-                                                         first_token_delay_s=lm.meta["first_token_delay_s"])
-            lm.meta.update(load_same=fit["load_same"], load_other=fit["load_other"],
-                           first_token_delay_s=lm.meta["first_token_delay_s"] + fit["ttft_offset_s"])
+        if load_run is not None:
+            lm, cal["load"] = serving_profile.apply_load(lm, case_config(case, model, dtype, transport), *load_run,
+                                                         max_model_len=max_model_len)
+            cal["load_requests"] = [compact_record(r) for r in load_run[1]]  # to re-fit offline
     pred = predict(case, lm, model, dtype, transport, max_model_len)
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
-            "requests": [_compact(r) for r in records]}
+            "requests": [compact_record(r) for r in records]}
     return {"predicted": pred, "measured": meas, "calibration": cal, "latency_model": lm.to_json()}
 
 

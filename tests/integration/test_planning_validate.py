@@ -13,7 +13,7 @@ from cluster.planning.latency import LatencyModel
 def served_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "tiny-served.json"
     assert main(["plan", "profile", "--model", "tiny", "--quick", "--transports", "nixl", "--serving",
-                 "--out", str(out)]) == 0
+                 "--load-rate", "2", "--load-requests", "8", "--out", str(out)]) == 0
     return out
 
 
@@ -27,6 +27,12 @@ def test_served_profile_times_decode_through_the_cluster(served_profile):
     # a served first token pays router, Ray and gRPC time on top of the engine's prefill step
     assert 0 < lm.meta["first_token_delay_s"] < 1.0
     assert lm.decode_time(1, 64) > 0
+    # the load run: eight synthetic requests at 2 req/s, fitted against their simulation; what it
+    # found is in the model the simulator reads
+    load = doc["load"]
+    assert load["ttft_requests"] == 8 and load["requests"] == 8
+    assert (lm.meta["load_same"], lm.meta["load_other"], lm.meta["load_rate"]) == (load["load_same"],
+                                                                                  load["load_other"], 2.0)
 
 
 def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_path, capsys):
@@ -66,3 +72,5 @@ def test_validate_rejects_unknown_cases(capsys):
     assert "--cases must name some of" in capsys.readouterr().err
     assert main(["plan", "validate", "--load-requests", "3"]) == 2
     assert "--load-requests must be >= 4, got 3" in capsys.readouterr().err
+    assert main(["plan", "profile", "--load-rate", "1"]) == 2
+    assert "--load-rate must be > 0 and needs --serving" in capsys.readouterr().err

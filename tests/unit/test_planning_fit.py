@@ -170,3 +170,28 @@ def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_tok
     fit = fit_load(measured, predicted, first_token_delay_s=delay)
     assert fit["ttft_offset_s"] == pytest.approx(offset) and fit["load_other"] == pytest.approx(k)
     assert fit["ttft_requests"] == 9
+
+
+def test_load_run_follows_the_length_distribution_of_the_workload_not_its_requests():
+    import math
+
+    from bench.serve.workloads import Workload, WorkloadRequest
+    from cluster.planning.serving_profile import load_workload
+
+    like = Workload([WorkloadRequest(i, 0.0, 100 * (1 + i % 5), 20 + i % 3) for i in range(40)], 0, "t")
+    wl = load_workload(2.0, 600, seed=5, num_requests=400, like=like)
+    assert len(wl.requests) == 400 and wl.meta["request_rate"] == 2.0
+    mean_log = lambda xs: sum(math.log(x) for x in xs) / len(xs)  # noqa: E731
+    assert mean_log([r.prompt_len for r in wl.requests]) == pytest.approx(mean_log([r.prompt_len for r in like.requests]),
+                                                                        abs=0.1)
+    assert mean_log([r.output_len for r in wl.requests]) == pytest.approx(mean_log([r.output_len for r in like.requests]),
+                                                                        abs=0.05)
+    assert all(r.prompt_len + r.output_len < 600 and r.output_len >= 1 for r in wl.requests)
+    assert wl.requests[-1].arrival_s / 399 == pytest.approx(0.5, rel=0.15)  # Poisson at 2 req/s
+    assert [(r.prompt_len, r.output_len) for r in wl.requests] != [(r.prompt_len, r.output_len) for r in
+                                                                   load_workload(2.0, 600, 6, 400, like=like).requests]
+    # without a workload to follow: the uniform ranges, fitted to the context
+    plain = load_workload(0.5, 512, seed=1)
+    assert len(plain.requests) == 30 and all(128 <= r.prompt_len <= 512 - 128 - 2 for r in plain.requests)
+    with pytest.raises(ValueError, match="rate > 0"):
+        load_workload(0.0, 512, seed=1)
