@@ -42,6 +42,7 @@ from dataclasses import replace
 from bench.serve.workloads import Workload, WorkloadRequest
 from cluster.planning.fit import fit_decode, fit_prefill
 from cluster.planning.latency import LatencyModel
+from cluster.planning.load_run import LOAD_KEYS, apply_load, run_load
 
 # `plan profile --serving`. decode_tokens: 32 prompts of 512 tokens reach the decode worker over
 # ~1.2 s (4 per prefill step); with 60 tokens each the first streams had finished before the last began
@@ -247,176 +248,6 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
             "streams": streams}
 
 
-# the synthetic load run of `plan validate` (fit_load): Poisson arrivals at the case's rate for
-# about `duration_s`, prompts and outputs uniform in these ranges (the validation trace's prompts
-# are mostly 200-1,000 tokens, its outputs 10-150: the same regime, never its requests)
-LOAD = {"input_range": (128, 1024), "output_range": (16, 128), "duration_s": 60.0, "min_requests": 24}
-LOAD_KEYS = ("load_same", "load_other", "load_rate")  # what apply_load adds to a model's meta
-
-
-def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int | None = None,
-                  grid: dict = LOAD, like: Workload | None = None) -> Workload:
-    """Requests arriving as a Poisson process at `rate`, for the load run. Lengths uniform in
-    `grid`'s ranges, or, with `like` (the workload to be predicted), drawn from log-normal
-    distributions with the mean and spread of its log prompt and output lengths: its input and
-    output length distribution, as Dynamo's profiler takes the target ISL/OSL, never its
-    requests. The fit depends on where the lengths lie: with uniform 128-1,024-token prompts (the
-    fourteenth validation run) a quiet prompt's extra delay was read off prompts three times the
-    replayed trace's median length (185 tokens): 8-15 ms, where the replay's prompts paid ~5.
-    Held-out requests of the same trace do not match it either (past its first 1,000 the Azure
-    conversation trace's prompts have a median of 520 tokens, outputs twice as long)."""
-    from bench.serve.workloads import WorkloadRequest, build_workload, gamma_arrivals
-
-    if not rate > 0:
-        raise ValueError(f"the load run needs a request rate > 0, got {rate}")
-    n = num_requests or max(grid["min_requests"], round(rate * grid["duration_s"]))
-    if like is not None and like.requests:
-        rng = np.random.default_rng(seed)
-
-        def draw(lengths: list[int], hi: int) -> np.ndarray:
-            logs = np.log(np.maximum(np.asarray(lengths, dtype=float), 1.0))
-            return np.clip(np.round(np.exp(rng.normal(logs.mean(), logs.std(), n))), 1, hi).astype(int)
-
-        outs = draw([r.output_len for r in like.requests], max(max_model_len // 4, 1))
-        prompts = draw([r.prompt_len for r in like.requests], max_model_len)
-        prompts = np.minimum(prompts, np.maximum(max_model_len - outs - 2, 1))
-        reqs = [WorkloadRequest(i, t, int(p), int(o))
-                for i, (t, p, o) in enumerate(zip(gamma_arrivals(n, rate, 1.0, seed), prompts, outs))]
-        return Workload(reqs, 0, f"load-like-{like.name}", meta={"request_rate": rate, "burstiness": 1.0})
-    lo_out, hi_out = grid["output_range"]
-    hi_in = max(min(grid["input_range"][1], max_model_len - hi_out - 2), 1)
-    lo_in = min(grid["input_range"][0], hi_in)
-    return build_workload("random", num_requests=n, request_rate=rate, seed=seed, input_range=(lo_in, hi_in),
-                          output_range=(lo_out, hi_out))
-
-
-def _decode_window(m: dict) -> tuple[float, float]:
-    a = m["start_s"] + m["ttft_s"]
-    return a, a + m["tpot_s"] * (m["output_tokens"] - 1)
-
-
-def _streams_during(recs: list[dict], a: float, b: float, worker, same: bool) -> float:
-    """Streams decoding in [a, b], time-averaged, on `worker` (same) or on any other worker."""
-    n = 0.0
-    for o in recs:
-        if (o["server"].get("decode_worker") == worker) == same:
-            lo, hi = _decode_window(o)
-            n += max(0.0, min(b, hi) - max(a, lo))
-    return n / (b - a)
-
-
-def compact_record(r) -> dict:
-    """What comparing a prediction with a measurement needs of one request record, both sides alike."""
-    gaps = r.itls_s
-    return {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "ok": r.ok,
-            "start_s": r.start_s, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "first_gap_s": gaps[0] if gaps else None,
-            "mean_later_gap_s": sum(gaps[1:]) / len(gaps[1:]) if len(gaps) > 1 else None,
-            "server": {k: v for k, v in r.server.items() if isinstance(v, (int, float, str, bool))}}
-
-
-def run_load(address: str, vocab: int, max_model_len: int, rate: float, seed: int,
-             num_requests: int | None = None, **lengths) -> tuple[Workload, list]:
-    """Serve the load run (`load_workload`; `lengths`: its `like`) on the cluster at `address`:
-    its workload and the client's records."""
-    from bench.serve.client import run_benchmark
-    from bench.serve.workloads import materialize_prompts
-
-    wl = load_workload(rate, max_model_len, seed=seed, num_requests=num_requests, **lengths)
-    materialize_prompts(wl, vocab, seed=seed + 1000)
-    records, _, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag="load"))
-    return wl, records
-
-
-def apply_load(lm: LatencyModel, cfg, workload: Workload, records: list, max_model_len: int) -> tuple:
-    """The calibrated model `lm` of the cluster `cfg` (a ClusterConfig) with the load run's fit
-    in its meta (read by the simulator): the load workload simulated with `lm`, compared request
-    by request with `records` (`fit_load`). Returns (model, fit)."""
-    from cluster.planning.sim_config import sim_cluster
-    from cluster.planning.simulator import simulate
-
-    lm = replace(lm, meta={k: v for k, v in lm.meta.items() if k not in LOAD_KEYS})  # fit against the bare model
-    sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
-    delay = lm.meta.get("first_token_delay_s", 0.0)
-    fit = fit_load([compact_record(r) for r in records], [compact_record(r) for r in sim.records],
-                   first_token_delay_s=delay)
-    meta = dict(lm.meta, load_same=fit["load_same"], load_other=fit["load_other"],
-                first_token_delay_s=delay + fit["ttft_offset_s"], load_rate=workload.meta.get("request_rate"))
-    return replace(lm, meta=meta), fit
-
-
-def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: float = 0.0,
-             min_tokens: int = 8) -> dict:
-    """What a staggered load costs beyond the calibrated model, from one run of synthetic
-    requests: measured (what the client saw) and predicted (the simulator with the calibrated
-    model, the same requests), each request as `validate._compact` gives it.
-
-    The calibration times b streams that start together on an otherwise idle cluster, and
-    prefills one at a time. Under a Poisson load streams join and leave a running batch one by
-    one, each arrival bringing a prefill, a KV hand-off and admissions while the others step,
-    and the workers, router and client share the host's cores. In the thirteenth validation run
-    (docs/capacity-planning.md) a lone stream was predicted right (measured / predicted mean gap
-    0.98-1.04) and each further stream decoding at the same time added 0.26-0.31; a prompt
-    prefilled while streams decoded elsewhere took ~0.3 x its prefill longer per such stream,
-    and one prefilled on a quiet host still ~5 ms longer than predicted. Fitted here:
-
-    - load_same: per request of at least `min_tokens` outputs, measured / predicted mean later
-      gap - 1 = load_same x (streams decoding on its worker - 1) + load_other x (streams
-      decoding on other workers), stream counts time-averaged over its decoding window, least
-      squares through the origin (a lone stream is what the calibration measured);
-    - load_other: the mean of that fit's term (where some request had a neighbour decode) and
-      the TTFT fit's: measured - predicted TTFT - ttft_offset = load_other x (predicted TTFT -
-      first_token_delay_s) x (streams decoding on other workers during it);
-    - ttft_offset_s: the median of measured - predicted TTFT over requests no stream decoded
-      beside (what the first token's path costs under the load's arrivals, over the idle
-      calibration's), added to the first-token delay.
-    All clipped at 0 (the offset at -first_token_delay_s)."""
-    pred = {p["index"]: p for p in predicted if p.get("ok")}
-    recs = [m for m in measured if m.get("ok") and m["output_tokens"] >= 2]
-    gaps, ttfts = [], []
-    for m in measured:
-        p = pred.get(m["index"])
-        if not m.get("ok") or not p:
-            continue
-        worker = m["server"].get("decode_worker")
-        prefilled_on = m["server"].get("prefill_worker") or worker  # colocated: the server leaves it empty
-        a, b = m["start_s"], m["start_s"] + m["ttft_s"]
-        if b > a:
-            others = [o for o in recs if o is not m]
-            beside = _streams_during(others, a, b, prefilled_on, same=False)
-            here = _streams_during(others, a, b, prefilled_on, same=True)
-            ttfts.append((beside, here, max(p["ttft_s"] - first_token_delay_s, 0.0), m["ttft_s"] - p["ttft_s"]))
-        if m["output_tokens"] < min_tokens or not p.get("mean_later_gap_s") or not m.get("mean_later_gap_s"):
-            continue
-        a, b = _decode_window(m)
-        if b > a:
-            gaps.append((_streams_during(recs, a, b, worker, same=True) - 1.0,
-                         _streams_during(recs, a, b, worker, same=False),
-                         m["mean_later_gap_s"] / p["mean_later_gap_s"] - 1.0))
-    out = {"load_same": 0.0, "load_other": 0.0, "ttft_offset_s": 0.0, "requests": len(gaps)}
-    other = []
-    if len(gaps) >= 4:
-        g = np.asarray(gaps, dtype=float)
-        cols = [0] + ([1] if np.any(g[:, 1] > 0.05) else [])
-        coef, *_ = np.linalg.lstsq(g[:, cols], g[:, 2], rcond=None)
-        out["load_same"] = max(float(coef[0]), 0.0)
-        if len(cols) > 1:
-            other.append(max(float(coef[1]), 0.0))
-        out.update(mean_ratio=float(1.0 + g[:, 2].mean()), mean_streams_same=float(1.0 + g[:, 0].mean()),
-                   mean_streams_other=float(g[:, 1].mean()))
-    quiet = [d for beside, here, _, d in ttfts if beside + here < 0.3]
-    if len(quiet) >= 4:
-        out["ttft_offset_s"] = max(float(statistics.median(quiet)), -first_token_delay_s)
-    busy = [(beside * prefill, d - out["ttft_offset_s"]) for beside, _, prefill, d in ttfts if beside >= 0.3]
-    if len(busy) >= 3 and any(x > 0 for x, _ in busy):
-        x, y = np.asarray(busy, dtype=float).T
-        other.append(max(float(x @ y / (x @ x)), 0.0))
-        out["load_other_ttft"] = other[-1]
-    if other:
-        out["load_other"] = float(np.mean(other))
-    out["ttft_requests"] = len(ttfts)
-    return out
-
-
 def _reshaped_prefill(engine_lm: LatencyModel, curve: list[tuple[int, float]], p3: float) -> tuple:
     """p0..p2 refitted to the engine's prefill curve times the served/engine ratio measured at
     each served length (1 up to SHORT_PROMPT, interpolated in log length, held flat past the
@@ -485,17 +316,17 @@ def profile_serving(model: str, dtype: str, engine_lm: LatencyModel, quick: bool
                                  engine={"dtype": dtype})
     cluster = Cluster(cfg)
     address = cluster.start()
-    load_run = None
+    load_result = None
     try:
         served = asyncio.run(model_info(address))
         points = measure_serving(address, served.vocab_size, served.max_model_len, QUICK if quick else FULL)
         if load_rate:
-            load_run = run_load(address, served.vocab_size, served.max_model_len, load_rate, seed=3000,
+            load_result = run_load(address, served.vocab_size, served.max_model_len, load_rate, seed=3000,
                                 num_requests=load_requests)
     finally:
         cluster.stop()
     lm, info = calibrate(engine_lm, points)
     out = {"points": points, **info}
-    if load_run is not None:
-        lm, out["load"] = apply_load(lm, cfg, *load_run, max_model_len=served.max_model_len)
+    if load_result is not None:
+        lm, out["load"] = apply_load(lm, cfg, *load_result, max_model_len=served.max_model_len)
     return lm, out

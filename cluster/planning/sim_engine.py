@@ -142,7 +142,7 @@ class EngineSim:
         # x step time from neighbours busy on the same host (set by the owner; None = alone)
         self.slowdown: Callable[[], float] | None = None
         # x (1 + this per decoding sequence past the first): what a served worker's steps pay
-        # under a staggered load beyond the calibrated step (serving_profile.fit_load)
+        # under a staggered load beyond the calibrated step (load_run.fit_load)
         self.load_per_stream = 0.0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []

@@ -98,7 +98,7 @@ class Simulator:
                     # what the calibration measures: a neighbour's prefill slows this worker's
                     # steps (host_interference, from a controlled measurement), and so, under a
                     # staggered load, do the streams a neighbour decodes (load_other, per stream,
-                    # fitted on a synthetic load run: serving_profile.fit_load), on every step,
+                    # fitted on a synthetic load run: load_run.fit_load), on every step,
                     # prefills included. A fixed 1.3x on prefills next to any decoding neighbour
                     # overshot the validation runs' TTFT p90 by 8-14 points (docs/capacity-planning.md)
                     w.slowdown = lambda others=others: 1.0 + sum(

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from bench.serve.metrics import summarize
 from bench.serve.workloads import Workload, build_workload, materialize_prompts
 from cluster.planning.latency import LatencyModel
-from cluster.planning.serving_profile import compact_record
+from cluster.planning.load_run import apply_load, compact_record, run_load
 
 FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
            ("request_throughput", None), ("output_throughput", None))
@@ -112,9 +112,9 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
 
     With `load` (and `calibrate`), a load run follows the first calibration: synthetic requests
     with the case's length distribution (not its requests) arriving at the case's rate
-    (`serving_profile.load_workload`). Simulated with the calibrated model and
+    (`load_run.load_workload`). Simulated with the calibrated model and
     compared request by request with what it measured, it gives what a staggered load costs
-    beyond the calibration (`serving_profile.fit_load`), which the prediction then carries."""
+    beyond the calibration (`load_run.fit_load`), which the prediction then carries."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -131,7 +131,7 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
 
         points = measure(1000 + salt) if calibrate else None
         # the load run's lengths follow the case's length distribution (log-normal, two moments each)
-        load_run = serving_profile.run_load(address, info.vocab_size, info.max_model_len, case.request_rate,
+        load_result = run_load(address, info.vocab_size, info.max_model_len, case.request_rate,
                                             seed=3000 + salt, num_requests=load_requests, like=wl) \
             if calibrate and load else None
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
@@ -144,10 +144,10 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
     if calibrate:
         lm, cal = serving_profile.calibrate(lm, points)
         cal["points"] = points
-        if load_run is not None:
-            lm, cal["load"] = serving_profile.apply_load(lm, case_config(case, model, dtype, transport), *load_run,
+        if load_result is not None:
+            lm, cal["load"] = apply_load(lm, case_config(case, model, dtype, transport), *load_result,
                                                          max_model_len=max_model_len)
-            cal["load_requests"] = [compact_record(r) for r in load_run[1]]  # to re-fit offline
+            cal["load_requests"] = [compact_record(r) for r in load_result[1]]  # to re-fit offline
     pred = predict(case, lm, model, dtype, transport, max_model_len)
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
             "requests": [compact_record(r) for r in records]}

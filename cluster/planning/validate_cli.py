@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a case then lands on both sides)")
     p.add_argument("--no-load", action="store_true",
                    help="skip the synthetic load run that fits the slow-down of streams decoding alongside "
-                        "others (serving_profile.fit_load)")
+                        "others (load_run.fit_load)")
     p.add_argument("--load-requests", type=int,
                    help=">= 4 requests in the load run (default: the case's rate x 60 s, at least 24)")
     p.add_argument("--json", default="validate.json", help="every figure, both sides, per case")

@@ -117,7 +117,7 @@ def test_load_fit_recovers_the_slow_down_per_stream_alongside():
     """Streams decoding together on one worker, and on a neighbour, slower than predicted by
     0.3 per stream on the same worker and 0.1 per stream next door: the fit finds both; a lone
     stream's ratio is what it is measured against (through the origin)."""
-    from cluster.planning.serving_profile import fit_load
+    from cluster.planning.load_run import fit_load
 
     k_same, k_other = 0.3, 0.1
     specs = [(0, "a", 0.0, 1.0),                                      # alone
@@ -146,7 +146,7 @@ def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_tok
     worker take load_other x their prefill longer per stream; prompts on a quiet host a fixed
     offset longer than predicted. The fit finds both, the prefill being the predicted TTFT less
     the first-token delay."""
-    from cluster.planning.serving_profile import fit_load
+    from cluster.planning.load_run import fit_load
 
     delay, offset, k = 0.02, 0.005, 0.3
     measured, predicted = [], []
@@ -176,7 +176,7 @@ def test_load_run_follows_the_length_distribution_of_the_workload_not_its_reques
     import math
 
     from bench.serve.workloads import Workload, WorkloadRequest
-    from cluster.planning.serving_profile import load_workload
+    from cluster.planning.load_run import load_workload
 
     like = Workload([WorkloadRequest(i, 0.0, 100 * (1 + i % 5), 20 + i % 3) for i in range(40)], 0, "t")
     wl = load_workload(2.0, 600, seed=5, num_requests=400, like=like)
