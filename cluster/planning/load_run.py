@@ -20,9 +20,9 @@ import numpy as np
 from bench.serve.workloads import Workload
 from cluster.planning.latency import LatencyModel
 
-# the load run's defaults (fit_load): Poisson arrivals at the case's rate for
-# about `duration_s`, prompts and outputs uniform in these ranges (the validation trace's prompts
-# are mostly 200-1,000 tokens, its outputs 10-150: the same regime, never its requests)
+# the load run's defaults: Poisson arrivals for about `duration_s` (at least `min_requests`);
+# without a workload to follow (`plan profile --load-rate`), prompts and outputs uniform in these
+# ranges; `plan validate` follows the case's length distribution instead (load_workload)
 LOAD = {"input_range": (128, 1024), "output_range": (16, 128), "duration_s": 60.0, "min_requests": 24}
 LOAD_KEYS = ("load_same", "load_other", "load_rate")  # what apply_load adds to a model's meta
 
