@@ -322,7 +322,7 @@ def profile_serving(model: str, dtype: str, engine_lm: LatencyModel, quick: bool
         points = measure_serving(address, served.vocab_size, served.max_model_len, QUICK if quick else FULL)
         if load_rate:
             load_result = run_load(address, served.vocab_size, served.max_model_len, load_rate, seed=3000,
-                                num_requests=load_requests)
+                                   num_requests=load_requests)
     finally:
         cluster.stop()
     lm, info = calibrate(engine_lm, points)

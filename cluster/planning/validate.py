@@ -87,14 +87,12 @@ def case_workload(case: Case, max_model_len: int) -> Workload:
                           max_model_len=max_model_len, request_rate=case.request_rate, seed=case.seed)
 
 
-def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int,
-            workload: Workload | None = None) -> dict:
-    """The case's cluster simulated on its workload (or on `workload`, same cluster)."""
+def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int) -> dict:
     from cluster.planning.sim_config import sim_cluster
     from cluster.planning.simulator import simulate
 
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
-    res = simulate(cluster, workload if workload is not None else case_workload(case, max_model_len))
+    res = simulate(cluster, case_workload(case, max_model_len))
     return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s,
             "requests": [compact_record(r) for r in res.records]}
 
@@ -112,9 +110,9 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
 
     With `load` (and `calibrate`), a load run follows the first calibration: synthetic requests
     with the case's length distribution (not its requests) arriving at the case's rate
-    (`load_run.load_workload`). Simulated with the calibrated model and
-    compared request by request with what it measured, it gives what a staggered load costs
-    beyond the calibration (`load_run.fit_load`), which the prediction then carries."""
+    (`load_run.load_workload`). Simulated with the calibrated model and compared request by
+    request with what it measured, it gives what a staggered load costs beyond the calibration
+    (`load_run.fit_load`), which the prediction then carries."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -132,7 +130,7 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
         points = measure(1000 + salt) if calibrate else None
         # the load run's lengths follow the case's length distribution (log-normal, two moments each)
         load_result = run_load(address, info.vocab_size, info.max_model_len, case.request_rate,
-                                            seed=3000 + salt, num_requests=load_requests, like=wl) \
+                               seed=3000 + salt, num_requests=load_requests, like=wl) \
             if calibrate and load else None
         materialize_prompts(wl, info.vocab_size, seed=case.seed + 7919 * salt)
         records, duration, _ = asyncio.run(run_benchmark(address, wl, progress=False, run_tag=case.name))
