@@ -166,13 +166,22 @@ class EngineSim:
     def busy(self) -> bool:
         return self.step is not None
 
+    # What slows a neighbour down, asked when the neighbour starts a step: this worker's step in
+    # flight or, between two of its steps (an instant: a worker with work starts the next one
+    # then), the step it is about to start. A disaggregated prefill is dispatched at the end of a
+    # decode step (the decode worker takes calls between steps), so asking only for the step in
+    # flight never saw the streams that decode beside it.
     @property
     def prefilling(self) -> bool:
-        return self.step is not None and self.step.prefills
+        if self.step is not None:
+            return self.step.prefills
+        return bool(self.waiting) or any(r.computed < r.prompt_len for r in self.running)
 
     @property
     def decoding(self) -> int:
-        return self.step.decodes if self.step is not None else 0
+        if self.step is not None:
+            return self.step.decodes
+        return sum(r.computed >= r.prompt_len for r in self.running) + len(self.arrived)
 
     @property
     def has_work(self) -> bool:

@@ -219,6 +219,24 @@ def test_load_factors_slow_steps_by_streams_alongside_on_the_worker_and_on_its_n
                for r in simulate(SimCluster(no_host, load_other=0.25), wl(two)).records)
 
 
+def test_disaggregated_prefill_beside_a_decoding_stream_pays_load_other():
+    """1P+1D on one host: a prompt arriving while the decode worker decodes a stream is
+    dispatched to the prefill worker between two decode steps (the decode worker takes calls
+    then), and its prefill still takes (1 + load_other) x longer per stream decoding beside it;
+    alone on the host it takes the model's time."""
+    lm = LatencyModel(prefill=(0.0, 1e-3, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+    reqs = wl([(0.0, 4, 201), (0.5, 100, 2), (3.0, 100, 2)])  # the third comes when all is quiet
+
+    def run(load_other):
+        pools = [SimPool("prefill", "prefill", 1, lm, BIG, host="h"), SimPool("decode", "decode", 1, lm, BIG, host="h")]
+        return simulate(SimCluster(pools, load_other=load_other, busy_admit_s=0.001), reqs).records
+
+    base, slow = run(0.0), run(0.5)
+    assert base[1].ttft_s == pytest.approx(0.1 + 0.001, abs=0.011)  # its prefill waits for a decode step's end
+    assert slow[1].ttft_s - base[1].ttft_s == pytest.approx(0.5 * 0.1, rel=0.02)
+    assert slow[2].ttft_s == pytest.approx(base[2].ttft_s, rel=1e-9) == pytest.approx(0.1, rel=1e-6)
+
+
 @pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
 def test_disagg_vs_colocated_predicted_shows_colocated_prefill_stalls(tmp_path, capsys):
     """`bench disagg-vs-colocated --simulate` runs both arms on the same requests without a
