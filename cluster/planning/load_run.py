@@ -104,17 +104,30 @@ def apply_load(lm: LatencyModel, cfg, workload: Workload, records: list, max_mod
     """The calibrated model `lm` of the cluster `cfg` (a ClusterConfig) with the load run's fit
     in its meta (read by the simulator): the load workload simulated with `lm`, compared request
     by request with `records` (`fit_load`). Returns (model, fit)."""
+    fit = fit_samples([load_samples(lm, cfg, workload, records, max_model_len)])
+    return with_load(lm, fit, workload.meta.get("request_rate")), fit
+
+
+def load_samples(lm: LatencyModel, cfg, workload: Workload, records: list, max_model_len: int) -> dict:
+    """One load run's samples for `fit_samples`: its workload simulated on the cluster `cfg`
+    with the calibrated model `lm` (any load fit it carries dropped: the fit is relative to the
+    bare model), compared request by request with the client's `records`."""
     from cluster.planning.sim_config import sim_cluster
     from cluster.planning.simulator import simulate
 
-    lm = replace(lm, meta={k: v for k, v in lm.meta.items() if k not in LOAD_KEYS})  # fit against the bare model
+    lm = replace(lm, meta={k: v for k, v in lm.meta.items() if k not in LOAD_KEYS})
     sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
-    delay = lm.meta.get("first_token_delay_s", 0.0)
-    fit = fit_load([compact_record(r) for r in records], [compact_record(r) for r in sim.records],
-                   first_token_delay_s=delay)
-    meta = dict(lm.meta, load_same=fit["load_same"], load_other=fit["load_other"],
-                first_token_delay_s=delay + fit["ttft_offset_s"], load_rate=workload.meta.get("request_rate"))
-    return replace(lm, meta=meta), fit
+    return request_samples([compact_record(r) for r in records], [compact_record(r) for r in sim.records],
+                           first_token_delay_s=lm.meta.get("first_token_delay_s", 0.0))
+
+
+def with_load(lm: LatencyModel, fit: dict, rate: float | None) -> LatencyModel:
+    """`lm` (calibrated, without a load fit) carrying `fit` for the simulator."""
+    meta = {k: v for k, v in lm.meta.items() if k not in LOAD_KEYS}
+    delay = meta.get("first_token_delay_s", 0.0)
+    meta.update(load_same=fit["load_same"], load_other=fit["load_other"],
+                first_token_delay_s=max(delay + fit["ttft_offset_s"], 0.0), load_rate=rate)
+    return replace(lm, meta=meta)
 
 
 def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: float = 0.0,
@@ -142,7 +155,17 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
     - ttft_offset_s: the median of measured - predicted TTFT over requests no stream decoded
       beside (what the first token's path costs under the load's arrivals, over the idle
       calibration's), added to the first-token delay.
-    All clipped at 0 (the offset at -first_token_delay_s)."""
+    The factors clipped at 0. The same fit over several load runs: `fit_samples`."""
+    return fit_samples([request_samples(measured, predicted, first_token_delay_s, min_tokens)])
+
+
+def request_samples(measured: list[dict], predicted: list[dict], first_token_delay_s: float = 0.0,
+                    min_tokens: int = 8) -> dict:
+    """What `fit_samples` fits, from one load run (arguments as `fit_load`'s): per request of at
+    least `min_tokens` outputs (streams on its worker - 1, streams on others, measured /
+    predicted mean later gap - 1) under "gaps"; per request (streams decoding on other workers,
+    streams on its own, predicted prefill, measured - predicted TTFT) under "ttfts". Stream
+    counts are time-averaged over the request's decoding window, or its TTFT."""
     pred = {p["index"]: p for p in predicted if p.get("ok")}
     recs = [m for m in measured if m.get("ok") and m["output_tokens"] >= 2]
     gaps, ttfts = [], []
@@ -165,7 +188,16 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
             gaps.append((_streams_during(recs, a, b, worker, same=True) - 1.0,
                          _streams_during(recs, a, b, worker, same=False),
                          m["mean_later_gap_s"] / p["mean_later_gap_s"] - 1.0))
-    out = {"load_same": 0.0, "load_other": 0.0, "ttft_offset_s": 0.0, "requests": len(gaps)}
+    return {"gaps": gaps, "ttfts": ttfts}
+
+
+def fit_samples(samples: list[dict]) -> dict:
+    """The load fit (`fit_load`) over the samples of one or more load runs (`request_samples`),
+    pooled: several runs of the same cluster shape at the same rate fit one set of factors on
+    more requests than any of them."""
+    gaps = [g for s in samples for g in s["gaps"]]
+    ttfts = [t for s in samples for t in s["ttfts"]]
+    out = {"load_same": 0.0, "load_other": 0.0, "ttft_offset_s": 0.0, "requests": len(gaps), "runs": len(samples)}
     other = []
     if len(gaps) >= 4:
         g = np.asarray(gaps, dtype=float)
@@ -178,7 +210,7 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
                    mean_streams_other=float(g[:, 1].mean()))
     quiet = [d for beside, here, _, d in ttfts if beside + here < 0.3]
     if len(quiet) >= 4:
-        out["ttft_offset_s"] = max(float(statistics.median(quiet)), -first_token_delay_s)
+        out["ttft_offset_s"] = float(statistics.median(quiet))
     busy = [(beside * prefill, d - out["ttft_offset_s"]) for beside, _, prefill, d in ttfts if beside >= 0.3]
     if len(busy) >= 3 and any(x > 0 for x, _ in busy):
         x, y = np.asarray(busy, dtype=float).T

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from bench.serve.metrics import summarize
 from bench.serve.workloads import Workload, build_workload, materialize_prompts
 from cluster.planning.latency import LatencyModel
-from cluster.planning.load_run import apply_load, compact_record, run_load
+from cluster.planning.load_run import compact_record, fit_samples, load_samples, run_load, with_load
 
 FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
            ("request_throughput", None), ("output_throughput", None))
@@ -97,22 +97,22 @@ def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str
             "requests": [compact_record(r) for r in res.records]}
 
 
-def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
-             salt: int, calibrate: bool = True, bracket: bool = False, load: bool = True,
-             load_requests: int | None = None) -> dict:
+def measure_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport: str, max_model_len: int,
+                 salt: int, calibrate: bool = True, bracket: bool = False, load: bool = True,
+                 load_requests: int | None = None) -> dict:
     """Start the case's cluster; calibrate the model on it (served decode steps, first-token
     delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); replay the case's
-    workload on it and measure; predict. With `bracket`, calibrate again after the replay and
-    fit on both sets of points, so that the machine drifting while the case runs (20-30 % in
-    one repeat of the eighth run, docs/capacity-planning.md) falls on the prediction as on the
-    measurement; the prediction then uses synthetic requests timed on both sides of the replay,
-    still never the workload itself.
+    workload on it and measure (`predict_run` adds the prediction). With `bracket`, calibrate
+    again after the replay and fit on both sets of points, so that the machine drifting while
+    the case runs (20-30 % in one repeat of the eighth run, docs/capacity-planning.md) falls on
+    the prediction as on the measurement; the prediction then uses synthetic requests timed on
+    both sides of the replay, still never the workload itself.
 
     With `load` (and `calibrate`), a load run follows the first calibration: synthetic requests
     with the case's length distribution (not its requests) arriving at the case's rate
     (`load_run.load_workload`). Simulated with the calibrated model and compared request by
     request with what it measured, it gives what a staggered load costs beyond the calibration
-    (`load_run.fit_load`), which the prediction then carries."""
+    (`load_run.fit_load`; its samples are returned for `validate` to pool over repeats)."""
     from bench.serve.client import model_info, run_benchmark
     from cluster.planning import serving_profile
     from cluster.runtime import Cluster
@@ -138,30 +138,53 @@ def run_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transport:
             points = serving_profile.merge_points(points, measure(2000 + salt))
     finally:
         cluster.stop()
-    cal = {}
+    cal, samples = {}, None
     if calibrate:
         lm, cal = serving_profile.calibrate(lm, points)
         cal["points"] = points
         if load_result is not None:
-            lm, cal["load"] = apply_load(lm, case_config(case, model, dtype, transport), *load_result,
-                                                         max_model_len=max_model_len)
+            samples = load_samples(lm, case_config(case, model, dtype, transport), *load_result,
+                                   max_model_len=max_model_len)
+            cal["load"] = fit_samples([samples])  # this repeat's own fit
             cal["load_requests"] = [compact_record(r) for r in load_result[1]]  # to re-fit offline
-    pred = predict(case, lm, model, dtype, transport, max_model_len)
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
             "requests": [compact_record(r) for r in records]}
-    return {"predicted": pred, "measured": meas, "calibration": cal, "latency_model": lm.to_json()}
+    return {"measured": meas, "calibration": cal, "model": lm, "load_samples": samples}
+
+
+def predict_run(case: Case, run: dict, load_fit: dict | None, *, model: str, dtype: str, transport: str,
+                max_model_len: int) -> dict:
+    """A measured repeat (`measure_case`) completed with its prediction: its calibrated model
+    carrying `load_fit` (the case's repeats pooled, `validate`) or, without, its own load run's
+    fit. The in-memory model and samples give way to the model's JSON."""
+    lm, samples = run.pop("model"), run.pop("load_samples")
+    if samples is not None:
+        fit = load_fit or run["calibration"]["load"]
+        run["calibration"]["load_used"] = fit
+        lm = with_load(lm, fit, case.request_rate)
+    run["predicted"] = predict(case, lm, model, dtype, transport, max_model_len)
+    run["latency_model"] = lm.to_json()
+    return run
 
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
              max_model_len: int, calibrate: bool = True, repeats: int = 1, bracket: bool = False,
-             load: bool = True, load_requests: int | None = None, log=print) -> list[dict]:
-    """Each case `repeats` times (fresh cluster, calibration and prediction each time)."""
+             load: bool = True, load_requests: int | None = None, pool_load: bool = True, log=print) -> list[dict]:
+    """Each case `repeats` times (fresh cluster, calibration and prediction each time). With
+    `pool_load`, one load fit from the load runs of all the case's repeats (`fit_samples`)
+    predicts every repeat: a load run of ~60 s holds 20-40 requests, and its first-token offset
+    alone, a median of the quiet ones, moved by ~5 ms between repeats of the fifteenth run
+    (docs/capacity-planning.md). Each repeat's own fit stays in its calibration ("load")."""
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
-        runs = [run_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
-                         salt=1 + i + 100 * k, calibrate=calibrate, bracket=bracket, load=load,
-                         load_requests=load_requests) for k in range(repeats)]
+        runs = [measure_case(case, lm, model=model, dtype=dtype, transport=transport, max_model_len=max_model_len,
+                             salt=1 + i + 100 * k, calibrate=calibrate, bracket=bracket, load=load,
+                             load_requests=load_requests) for k in range(repeats)]
+        samples = [r["load_samples"] for r in runs if r["load_samples"] is not None]
+        pooled = fit_samples(samples) if pool_load and samples else None
+        runs = [predict_run(case, r, pooled, model=model, dtype=dtype, transport=transport,
+                            max_model_len=max_model_len) for r in runs]
         rows = compare([r["predicted"]["summary"] for r in runs], [r["measured"]["summary"] for r in runs])
         out.append({"case": asdict(case), "description": case.describe(), "rows": rows, "runs": runs,
                     "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0})

@@ -59,6 +59,7 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
     load = res["runs"][0]["calibration"]["load"]
     assert load["requests"] == 6 and load["ttft_requests"] == 6
     assert load["load_same"] >= 0.0 and load["load_other"] >= 0.0
+    assert res["runs"][0]["calibration"]["load_used"] == load  # one repeat: the pooled fit is its own
     meta = res["runs"][0]["latency_model"]["meta"]
     assert (meta["load_same"], meta["load_other"]) == (load["load_same"], load["load_other"])
     assert meta["first_token_delay_s"] == pytest.approx(res["runs"][0]["calibration"]["first_token_delay_s"]

@@ -172,6 +172,32 @@ def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_tok
     assert fit["ttft_requests"] == 9
 
 
+def test_load_fit_pools_the_load_runs_of_several_repeats():
+    """Two load runs of one cluster: each has four quiet prompts and one pair of streams decoding
+    together on a worker. Alone, a run's two streams are too few to fit load_same (at least four
+    are needed) and its quiet offset is its own median; pooled, the fit reads 0.3 per stream off
+    all four streams and the offset is the median of all eight prompts."""
+    from cluster.planning.load_run import fit_load, fit_samples, request_samples
+
+    def run(offsets_ms):
+        measured, predicted = [], []
+        for i, off in enumerate(offsets_ms):
+            rec = {"index": i, "ok": True, "start_s": 2.0 * i, "output_tokens": 1, "server": {"decode_worker": "c"}}
+            predicted.append({**rec, "ttft_s": 0.05, "tpot_s": None, "mean_later_gap_s": None})
+            measured.append({**rec, "ttft_s": 0.05 + off / 1e3, "tpot_s": None, "mean_later_gap_s": None})
+        pairs = [_load_record(10 + j, "c", 20.0, 1.3) for j in range(2)]
+        return measured + [m for m, _ in pairs], predicted + [p for _, p in pairs]
+
+    a, b = run([1, 2, 3, 4]), run([5, 6, 7, 8])
+    for one, median_ms in ((a, 2.5), (b, 6.5)):
+        fit = fit_load(*one)
+        assert (fit["requests"], fit["load_same"]) == (2, 0.0)
+        assert fit["ttft_offset_s"] == pytest.approx(median_ms / 1e3)
+    pooled = fit_samples([request_samples(*a), request_samples(*b)])
+    assert (pooled["runs"], pooled["requests"], pooled["ttft_requests"]) == (2, 4, 8)
+    assert pooled["load_same"] == pytest.approx(0.3) and pooled["ttft_offset_s"] == pytest.approx(4.5e-3)
+
+
 def test_load_run_follows_the_length_distribution_of_the_workload_not_its_requests():
     import math
 
