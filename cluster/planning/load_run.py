@@ -6,8 +6,9 @@ one, prompts are prefilled beside decoding streams, and the workers, router and 
 the host's cores. The load run serves requests at a workload's rate on the same cluster
 (`run_load`), the simulator predicts the same requests with the calibrated model, and
 `fit_load` reads from the differences, request by request, per-stream slow-down factors and a
-first-token offset, which `apply_load` puts into the model's meta for the simulator
-(`SimCluster.load_same`, `load_other`; docs/capacity-planning.md).
+first-token offset (`fit_samples`: the same over several load runs, pooled), which `with_load`
+puts into the model's meta for the simulator (`SimCluster.load_same`, `load_other`;
+docs/capacity-planning.md). `apply_load` does all of it for one load run.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from cluster.planning.latency import LatencyModel
 # without a workload to follow (`plan profile --load-rate`), prompts and outputs uniform in these
 # ranges; `plan validate` follows the case's length distribution instead (load_workload)
 LOAD = {"input_range": (128, 1024), "output_range": (16, 128), "duration_s": 60.0, "min_requests": 24}
-LOAD_KEYS = ("load_same", "load_other", "load_rate")  # what apply_load adds to a model's meta
+LOAD_KEYS = ("load_same", "load_other", "load_rate")  # what with_load adds to a model's meta
 
 
 def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int | None = None,
