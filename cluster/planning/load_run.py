@@ -122,6 +122,18 @@ def load_samples(lm: LatencyModel, cfg, workload: Workload, records: list, max_m
                            first_token_delay_s=lm.meta.get("first_token_delay_s", 0.0))
 
 
+def load_residuals(lm: LatencyModel, cfg, workload: Workload, records: list, max_model_len: int) -> dict:
+    """What the load run's requests vary by beyond the model `lm` (calibrated, carrying its load
+    fit): the workload simulated with it and compared with the client's `records`, request by
+    request (`dispersion.residuals`)."""
+    from cluster.planning.dispersion import residuals
+    from cluster.planning.sim_config import sim_cluster
+    from cluster.planning.simulator import simulate
+
+    sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
+    return residuals([compact_record(r) for r in records], [compact_record(r) for r in sim.records])
+
+
 def with_load(lm: LatencyModel, fit: dict, rate: float | None) -> LatencyModel:
     """`lm` (calibrated, without a load fit) carrying `fit` for the simulator."""
     meta = {k: v for k, v in lm.meta.items() if k not in LOAD_KEYS}

@@ -8,7 +8,10 @@ with `bench serve`'s client and compare the figures users read: TTFT p50/p90, TP
 request and output throughput. The relative error is predicted / measured - 1.
 
 Both sides get exactly the same requests (same trace slice, scaling, arrival times and seeds);
-prompts get fresh tokens per case, so no case hits the prefix cache another case left.
+prompts get fresh tokens per case, so no case hits the prefix cache another case left. The
+predicted TTFT and TPOT figures are what one run is expected to show: the simulator's
+per-request latencies spread by what the case's load runs varied beyond the fitted model
+(`dispersion.py`), since a percentile of expectations is not the expected percentile of a run.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from dataclasses import asdict, dataclass
 from bench.serve.metrics import summarize
 from bench.serve.workloads import Workload, build_workload, materialize_prompts
 from cluster.planning.latency import LatencyModel
-from cluster.planning.load_run import compact_record, fit_samples, load_samples, run_load, with_load
+from cluster.planning.load_run import (compact_record, fit_samples, load_residuals, load_samples, run_load,
+                                        with_load)
 
 FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
            ("request_throughput", None), ("output_throughput", None))
@@ -87,13 +91,21 @@ def case_workload(case: Case, max_model_len: int) -> Workload:
                           max_model_len=max_model_len, request_rate=case.request_rate, seed=case.seed)
 
 
-def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int) -> dict:
+def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str, max_model_len: int,
+            dispersion: dict | None = None) -> dict:
+    """The simulator's figures for the case; with `dispersion` (residuals of load runs,
+    `dispersion.pool`), TTFT and TPOT as their expectation over one run's per-request spread
+    (`dispersion.disperse_summary`; the simulator's own under summary["deterministic"])."""
+    from cluster.planning.dispersion import disperse_summary
     from cluster.planning.sim_config import sim_cluster
     from cluster.planning.simulator import simulate
 
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
     res = simulate(cluster, case_workload(case, max_model_len))
-    return {"summary": summarize(res.records, res.duration_s), "workers": res.workers, "sim_wall_s": res.wall_s,
+    summary = summarize(res.records, res.duration_s)
+    if dispersion:
+        summary = disperse_summary(summary, res.records, dispersion)
+    return {"summary": summary, "workers": res.workers, "sim_wall_s": res.wall_s,
             "requests": [compact_record(r) for r in res.records]}
 
 
@@ -149,32 +161,45 @@ def measure_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transp
             cal["load_requests"] = [compact_record(r) for r in load_result[1]]  # to re-fit offline
     meas = {"summary": summarize(records, duration), "failed": sum(not r.ok for r in records),
             "requests": [compact_record(r) for r in records]}
-    return {"measured": meas, "calibration": cal, "model": lm, "load_samples": samples}
+    return {"measured": meas, "calibration": cal, "model": lm, "load_samples": samples, "load_result": load_result}
 
 
-def predict_run(case: Case, run: dict, load_fit: dict | None, *, model: str, dtype: str, transport: str,
-                max_model_len: int) -> dict:
-    """A measured repeat (`measure_case`) completed with its prediction: its calibrated model
-    carrying `load_fit` (the case's repeats pooled, `validate`) or, without, its own load run's
-    fit. The in-memory model and samples give way to the model's JSON."""
-    lm, samples = run.pop("model"), run.pop("load_samples")
-    if samples is not None:
+def fitted_model(case: Case, run: dict, load_fit: dict | None) -> LatencyModel:
+    """A measured repeat's (`measure_case`) calibrated model carrying `load_fit` (the case's
+    repeats pooled, `validate`) or, without, its own load run's fit."""
+    lm = run["model"]
+    if run["load_samples"] is not None:
         fit = load_fit or run["calibration"]["load"]
         run["calibration"]["load_used"] = fit
         lm = with_load(lm, fit, case.request_rate)
-    run["predicted"] = predict(case, lm, model, dtype, transport, max_model_len)
+    return lm
+
+
+def predict_run(case: Case, run: dict, load_fit: dict | None, *, model: str, dtype: str, transport: str,
+                max_model_len: int, dispersion: dict | None = None) -> dict:
+    """A measured repeat completed with its prediction (`fitted_model`, `predict` with
+    `dispersion`). The in-memory model, samples and load run give way to the model's JSON."""
+    lm = fitted_model(case, run, load_fit)
+    for k in ("model", "load_samples", "load_result"):
+        run.pop(k, None)
+    run["predicted"] = predict(case, lm, model, dtype, transport, max_model_len, dispersion)
     run["latency_model"] = lm.to_json()
     return run
 
 
 def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, transport: str = "nixl",
              max_model_len: int, calibrate: bool = True, repeats: int = 1, bracket: bool = False,
-             load: bool = True, load_requests: int | None = None, pool_load: bool = True, log=print) -> list[dict]:
+             load: bool = True, load_requests: int | None = None, pool_load: bool = True, disperse: bool = True,
+             log=print) -> list[dict]:
     """Each case `repeats` times (fresh cluster, calibration and prediction each time). With
     `pool_load`, one load fit from the load runs of all the case's repeats (`fit_samples`)
     predicts every repeat: a load run of ~60 s holds 20-40 requests, and its first-token offset
     alone, a median of the quiet ones, moved by ~5 ms between repeats of the fifteenth run
-    (docs/capacity-planning.md). Each repeat's own fit stays in its calibration ("load")."""
+    (docs/capacity-planning.md). Each repeat's own fit stays in its calibration ("load").
+    With `disperse`, the predicted TTFT and TPOT figures are expectations over the per-request
+    spread the load runs showed beyond the fitted model (`dispersion`; pooled over repeats)."""
+    from cluster.planning import dispersion
+
     out = []
     for i, case in enumerate(cases):
         t0 = time.time()
@@ -183,11 +208,18 @@ def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, tra
                              load_requests=load_requests) for k in range(repeats)]
         samples = [r["load_samples"] for r in runs if r["load_samples"] is not None]
         pooled = fit_samples(samples) if pool_load and samples else None
+        spread = None
+        if disperse and samples:
+            cfg = case_config(case, model, dtype, transport)
+            each = [load_residuals(fitted_model(case, r, pooled), cfg, *r["load_result"], max_model_len=max_model_len)
+                    for r in runs if r["load_result"] is not None]
+            spread = dispersion.pool(each)
         runs = [predict_run(case, r, pooled, model=model, dtype=dtype, transport=transport,
-                            max_model_len=max_model_len) for r in runs]
+                            max_model_len=max_model_len, dispersion=spread) for r in runs]
         rows = compare([r["predicted"]["summary"] for r in runs], [r["measured"]["summary"] for r in runs])
         out.append({"case": asdict(case), "description": case.describe(), "rows": rows, "runs": runs,
-                    "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0})
+                    "failed": sum(r["measured"]["failed"] for r in runs), "wall_s": time.time() - t0,
+                    "dispersion": dict(dispersion.describe(spread), residuals=spread) if spread else None})
         log(format_case(out[-1]))
     return out
 

@@ -64,6 +64,15 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
     assert (meta["load_same"], meta["load_other"]) == (load["load_same"], load["load_other"])
     assert meta["first_token_delay_s"] == pytest.approx(res["runs"][0]["calibration"]["first_token_delay_s"]
                                                         + load["ttft_offset_s"])
+    # the spread of the load run's requests around their fitted simulation: six TTFTs (TPOT only
+    # for outputs of 8 tokens or more), and the predicted TTFT/TPOT figures are expectations over
+    # it, the simulator's own kept beside them
+    disp = res["dispersion"]
+    assert disp["ttft"]["n"] == 6 and len(disp["residuals"]["ttft"]) == 6 and disp["ttft"]["sd"] > 0
+    pred = res["runs"][0]["predicted"]["summary"]
+    assert pred["dispersion"]["ttft"] == disp["ttft"]
+    plain = pred["deterministic"]["ttft_ms"]["p90"]
+    assert plain > 0 and pred["ttft_ms"]["p90"] != plain
     # 8 requests at 0.4 req/s: both sides are paced by the arrivals, whatever the step times
     assert rows["request_throughput"]["rel_err"] == pytest.approx(0.0, abs=0.35)
 
