@@ -25,7 +25,7 @@ from cluster.planning.latency import LatencyModel
 # without a workload to follow (`plan profile --load-rate`), prompts and outputs uniform in these
 # ranges; `plan validate` follows the case's length distribution instead (load_workload)
 LOAD = {"input_range": (128, 1024), "output_range": (16, 128), "duration_s": 60.0, "min_requests": 24}
-LOAD_KEYS = ("load_same", "load_other", "load_rate")  # what with_load adds to a model's meta
+LOAD_KEYS = ("load_same", "load_other", "load_other_prefill", "load_rate")  # what with_load puts in meta
 
 
 def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int | None = None,
@@ -139,6 +139,7 @@ def with_load(lm: LatencyModel, fit: dict, rate: float | None) -> LatencyModel:
     meta = {k: v for k, v in lm.meta.items() if k not in LOAD_KEYS}
     delay = meta.get("first_token_delay_s", 0.0)
     meta.update(load_same=fit["load_same"], load_other=fit["load_other"],
+                load_other_prefill=fit.get("load_other_prefill", fit["load_other"]),
                 first_token_delay_s=max(delay + fit["ttft_offset_s"], 0.0), load_rate=rate)
     return replace(lm, meta=meta)
 
@@ -162,9 +163,15 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
       gap - 1 = load_same x (streams decoding on its worker - 1) + load_other x (streams
       decoding on other workers), stream counts time-averaged over its decoding window, least
       squares through the origin (a lone stream is what the calibration measured);
-    - load_other: the mean of that fit's term (where some request had a neighbour decode) and
-      the TTFT fit's: measured - predicted TTFT - ttft_offset = load_other x (predicted TTFT -
-      first_token_delay_s) x (streams decoding on other workers during it);
+    - load_other: that fit's term (where some request had a neighbour decode): what a decode
+      step pays per stream a neighbour decodes;
+    - load_other_prefill: the TTFT fit's: measured - predicted TTFT - ttft_offset =
+      load_other_prefill x (predicted TTFT - first_token_delay_s) x (streams decoding on other
+      workers during it): what a step that prefills pays. Each stands in for the other where
+      only one could be fitted (a disaggregated decode worker has no decoding neighbour). Until
+      the eighteenth validation run both were one factor, their mean; its colocated case had a
+      TTFT term of 0.53 against a gap term of 0.22, and the mean slowed every decode step next to
+      a decoding neighbour by 0.37 per stream: TPOT p90 +24 % (docs/capacity-planning.md);
     - ttft_offset_s: the median of measured - predicted TTFT over requests no stream decoded
       beside (what the first token's path costs under the load's arrivals, over the idle
       calibration's), added to the first-token delay.
@@ -211,14 +218,14 @@ def fit_samples(samples: list[dict]) -> dict:
     gaps = [g for s in samples for g in s["gaps"]]
     ttfts = [t for s in samples for t in s["ttfts"]]
     out = {"load_same": 0.0, "load_other": 0.0, "ttft_offset_s": 0.0, "requests": len(gaps), "runs": len(samples)}
-    other = []
+    gap_other = ttft_other = None
     if len(gaps) >= 4:
         g = np.asarray(gaps, dtype=float)
         cols = [0] + ([1] if np.any(g[:, 1] > 0.05) else [])
         coef, *_ = np.linalg.lstsq(g[:, cols], g[:, 2], rcond=None)
         out["load_same"] = max(float(coef[0]), 0.0)
         if len(cols) > 1:
-            other.append(max(float(coef[1]), 0.0))
+            gap_other = out["load_other_gap"] = max(float(coef[1]), 0.0)
         out.update(mean_ratio=float(1.0 + g[:, 2].mean()), mean_streams_same=float(1.0 + g[:, 0].mean()),
                    mean_streams_other=float(g[:, 1].mean()))
     quiet = [d for beside, here, _, d in ttfts if beside + here < 0.3]
@@ -227,9 +234,8 @@ def fit_samples(samples: list[dict]) -> dict:
     busy = [(beside * prefill, d - out["ttft_offset_s"]) for beside, _, prefill, d in ttfts if beside >= 0.3]
     if len(busy) >= 3 and any(x > 0 for x, _ in busy):
         x, y = np.asarray(busy, dtype=float).T
-        other.append(max(float(x @ y / (x @ x)), 0.0))
-        out["load_other_ttft"] = other[-1]
-    if other:
-        out["load_other"] = float(np.mean(other))
+        ttft_other = out["load_other_ttft"] = max(float(x @ y / (x @ x)), 0.0)
+    out["load_other"] = gap_other if gap_other is not None else (ttft_other or 0.0)
+    out["load_other_prefill"] = ttft_other if ttft_other is not None else out["load_other"]
     out["ttft_requests"] = len(ttfts)
     return out

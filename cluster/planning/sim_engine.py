@@ -22,7 +22,7 @@ pages not held by running requests. Pages a request reuses still count against t
 
 The step time is the pool's `LatencyModel.step_time`, times `1 + load_per_stream` per decoding
 sequence past the first (what a served worker pays under staggered load beyond its calibrated
-step), times `slowdown()` (neighbours on the same host's cores prefilling or decoding slow this
+step), times `slowdown(prefills)` (neighbours on the same host's cores prefilling or decoding slow this
 worker down). What the worker does with a request that reached its first token or finished is
 its owner's business (`on_sampled`).
 """
@@ -139,8 +139,9 @@ class EngineSim:
                  on_sampled: Callable[[EngineSim, SimRequest, float], bool]) -> None:
         self.name, self.role, self.latency, self.limits = name, role, latency, limits
         self.on_sampled = on_sampled
-        # x step time from neighbours busy on the same host (set by the owner; None = alone)
-        self.slowdown: Callable[[], float] | None = None
+        # x step time from neighbours busy on the same host, given whether the step prefills
+        # (set by the owner; None = alone)
+        self.slowdown: Callable[[bool], float] | None = None
         # x (1 + this per decoding sequence past the first): what a served worker's steps pay
         # under a staggered load beyond the calibrated step (load_run.fit_load)
         self.load_per_stream = 0.0
@@ -312,7 +313,7 @@ class EngineSim:
         if self.load_per_stream and num_dec > 1:
             dur *= 1.0 + self.load_per_stream * (num_dec - 1)
         if self.slowdown is not None:
-            dur *= self.slowdown()
+            dur *= self.slowdown(bool(chunks))
         self.step = _Step(now, now + dur, chosen, bool(chunks), num_dec)
         self.steps += 1
         self.busy_s += dur

@@ -87,7 +87,8 @@ class Simulator:
                 self._order.append(v)
         for v in self._order:
             v.worker.load_per_stream = cluster.load_same
-        if cluster.host_interference or cluster.load_other:
+        other_prefill = cluster.load_other if cluster.load_other_prefill is None else cluster.load_other_prefill
+        if cluster.host_interference or cluster.load_other or other_prefill:
             by_host: dict[str, list[EngineSim]] = {}
             for pool, v in zip((p for p in cluster.pools for _ in range(p.replicas)), self._order):
                 if pool.host:
@@ -97,12 +98,14 @@ class Simulator:
                     others = [o for o in workers if o is not w]
                     # what the calibration measures: a neighbour's prefill slows this worker's
                     # steps (host_interference, from a controlled measurement), and so, under a
-                    # staggered load, do the streams a neighbour decodes (load_other, per stream,
-                    # fitted on a synthetic load run: load_run.fit_load), on every step,
-                    # prefills included. A fixed 1.3x on prefills next to any decoding neighbour
-                    # overshot the validation runs' TTFT p90 by 8-14 points (docs/capacity-planning.md)
-                    w.slowdown = lambda others=others: 1.0 + sum(
-                        cluster.host_interference * o.prefilling + cluster.load_other * o.decoding for o in others)
+                    # staggered load, do the streams a neighbour decodes (per stream, fitted on a
+                    # synthetic load run: load_run.fit_load): load_other on a decode step,
+                    # load_other_prefill on a step that prefills. A fixed 1.3x on prefills next to
+                    # any decoding neighbour overshot the validation runs' TTFT p90 by 8-14 points
+                    # (docs/capacity-planning.md)
+                    w.slowdown = lambda prefills, others=others: 1.0 + sum(
+                        cluster.host_interference * o.prefilling
+                        + (other_prefill if prefills else cluster.load_other) * o.decoding for o in others)
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
         self._policy = make_policy(cluster.policy, cluster.hash_page_size)

@@ -129,6 +129,8 @@ def test_load_fit_recovers_the_slow_down_per_stream_alongside():
     fit = fit_load([m for m, _ in pairs], [p for _, p in pairs])
     assert fit["requests"] == 7
     assert fit["load_same"] == pytest.approx(k_same, abs=1e-9) and fit["load_other"] == pytest.approx(k_other, abs=1e-9)
+    assert fit["load_other_gap"] == fit["load_other"] and "load_other_ttft" not in fit
+    assert fit["load_other_prefill"] == fit["load_other"]  # no prompt prefilled beside a stream: the gaps' term
     # one decode worker: nothing next door to fit, load_other stays 0
     one = [_load_record(i, "d", s, r) for i, (s, r) in enumerate([(0, 1.0), (2, 1.3), (2, 1.3), (5, 1.0)])]
     fit = fit_load([m for m, _ in one], [p for _, p in one])
@@ -168,8 +170,10 @@ def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_tok
         slow = offset + k * 2 * (ttft - delay)
         measured.append({**rec, "ttft_s": ttft + slow, "tpot_s": None, "mean_later_gap_s": None})
     fit = fit_load(measured, predicted, first_token_delay_s=delay)
-    assert fit["ttft_offset_s"] == pytest.approx(offset) and fit["load_other"] == pytest.approx(k)
+    assert fit["ttft_offset_s"] == pytest.approx(offset) and fit["load_other_prefill"] == pytest.approx(k)
     assert fit["ttft_requests"] == 9
+    # no stream decoded beside another worker's stream: decode steps take the prefills' term
+    assert "load_other_gap" not in fit and fit["load_other"] == fit["load_other_prefill"]
 
 
 def test_load_fit_pools_the_load_runs_of_several_repeats():

@@ -214,6 +214,11 @@ def test_load_factors_slow_steps_by_streams_alongside_on_the_worker_and_on_its_n
     apart = simulate(SimCluster(pools, load_other=0.25), wl(two)).records
     assert {r.server["decode_worker"] for r in apart} == {"c-0", "c-1"}
     assert all(r.tpot_s == pytest.approx(0.0125, rel=0.02) for r in apart)
+    # a neighbour's streams cost a decode step load_other, a step that prefills load_other_prefill
+    split = simulate(SimCluster(pools, load_other=0.25, load_other_prefill=0.0), wl(two)).records
+    assert all(r.tpot_s == pytest.approx(0.0125, rel=0.02) for r in split)
+    prefill_only = simulate(SimCluster(pools, load_other=0.0, load_other_prefill=0.25), wl(two)).records
+    assert all(r.tpot_s == pytest.approx(0.01, rel=1e-6) for r in prefill_only)
     no_host = [SimPool("c", "colocated", 2, lm, BIG)]
     assert all(r.tpot_s == pytest.approx(0.01, rel=1e-6)
                for r in simulate(SimCluster(no_host, load_other=0.25), wl(two)).records)
@@ -227,13 +232,17 @@ def test_disaggregated_prefill_beside_a_decoding_stream_pays_load_other():
     lm = LatencyModel(prefill=(0.0, 1e-3, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
     reqs = wl([(0.0, 4, 201), (0.5, 100, 2), (3.0, 100, 2)])  # the third comes when all is quiet
 
-    def run(load_other):
+    def run(load_other, load_other_prefill=None):
         pools = [SimPool("prefill", "prefill", 1, lm, BIG, host="h"), SimPool("decode", "decode", 1, lm, BIG, host="h")]
-        return simulate(SimCluster(pools, load_other=load_other, busy_admit_s=0.001), reqs).records
+        return simulate(SimCluster(pools, load_other=load_other, load_other_prefill=load_other_prefill,
+                                   busy_admit_s=0.001), reqs).records
 
     base, slow = run(0.0), run(0.5)
     assert base[1].ttft_s == pytest.approx(0.1 + 0.001, abs=0.011)  # its prefill waits for a decode step's end
     assert slow[1].ttft_s - base[1].ttft_s == pytest.approx(0.5 * 0.1, rel=0.02)
+    # a prefill step pays load_other_prefill where it is given (the load fit's TTFT term)
+    assert run(0.0, 0.5)[1].ttft_s == pytest.approx(slow[1].ttft_s, rel=1e-9)
+    assert run(0.5, 0.0)[1].ttft_s == pytest.approx(base[1].ttft_s, rel=1e-9)
     assert slow[2].ttft_s == pytest.approx(base[2].ttft_s, rel=1e-9) == pytest.approx(0.1, rel=1e-6)
 
 
