@@ -113,12 +113,8 @@ def load_samples(lm: LatencyModel, cfg, workload: Workload, records: list, max_m
     """One load run's samples for `fit_samples`: its workload simulated on the cluster `cfg`
     with the calibrated model `lm` (any load fit it carries dropped: the fit is relative to the
     bare model), compared request by request with the client's `records`."""
-    from cluster.planning.sim_config import sim_cluster
-    from cluster.planning.simulator import simulate
-
     lm = replace(lm, meta={k: v for k, v in lm.meta.items() if k not in LOAD_KEYS})
-    sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
-    return request_samples([compact_record(r) for r in records], [compact_record(r) for r in sim.records],
+    return request_samples([compact_record(r) for r in records], _predicted(lm, cfg, workload, max_model_len),
                            first_token_delay_s=lm.meta.get("first_token_delay_s", 0.0))
 
 
@@ -127,11 +123,17 @@ def load_residuals(lm: LatencyModel, cfg, workload: Workload, records: list, max
     fit): the workload simulated with it and compared with the client's `records`, request by
     request (`dispersion.residuals`)."""
     from cluster.planning.dispersion import residuals
+
+    return residuals([compact_record(r) for r in records], _predicted(lm, cfg, workload, max_model_len))
+
+
+def _predicted(lm: LatencyModel, cfg, workload: Workload, max_model_len: int) -> list[dict]:
+    """The load workload simulated on the cluster `cfg` with `lm`, as `compact_record` dicts."""
     from cluster.planning.sim_config import sim_cluster
     from cluster.planning.simulator import simulate
 
     sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
-    return residuals([compact_record(r) for r in records], [compact_record(r) for r in sim.records])
+    return [compact_record(r) for r in sim.records]
 
 
 def with_load(lm: LatencyModel, fit: dict, rate: float | None) -> LatencyModel:

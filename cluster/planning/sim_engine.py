@@ -22,9 +22,9 @@ pages not held by running requests. Pages a request reuses still count against t
 
 The step time is the pool's `LatencyModel.step_time`, times `1 + load_per_stream` per decoding
 sequence past the first (what a served worker pays under staggered load beyond its calibrated
-step), times `slowdown(prefills)` (neighbours on the same host's cores prefilling or decoding slow this
-worker down). What the worker does with a request that reached its first token or finished is
-its owner's business (`on_sampled`).
+step), times `slowdown(prefills)` (neighbours on the same host's cores prefilling or decoding
+slow this worker down, a step that prefills by its own factor). What the worker does with a
+request that reached its first token or finished is its owner's business (`on_sampled`).
 """
 from __future__ import annotations
 
