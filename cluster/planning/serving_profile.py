@@ -46,7 +46,11 @@ from cluster.planning.load_run import LOAD_KEYS, apply_load, run_load
 
 # `plan profile --serving`. decode_tokens: 32 prompts of 512 tokens reach the decode worker over
 # ~1.2 s (4 per prefill step); with 60 tokens each the first streams had finished before the last began
-FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512), (512, 512)), "repeats": 3,
+# prefill: fresh prompts every 128 tokens from 256 to the longest the server takes (2,048, or
+# max_model_len - 64: `fits`), so that the calibrated model passes through each (`calibrate`,
+# LatencyModel.prefill_table; a few hundred ms each: seconds in all)
+DENSE_PREFILL = tuple((t, 0) for t in range(256, 2049, 128))
+FULL = {"prefill": ((16, 0), (128, 0)) + DENSE_PREFILL + ((128, 512), (512, 512)), "repeats": 3,
         "short_extra": 4, "batch": (1, 2, 4, 8, 16, 32), "ctx": (64, 512), "decode_tokens": 150,
         "long": ((1, 1536), (2, 1536)), "long_tokens": 150, "interference": True}
 # what `plan validate` measures on each case's own cluster just before running it.
@@ -56,12 +60,13 @@ FULL = {"prefill": ((16, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (128, 512
 # alone at low load (two of its three over 1,200 tokens had their TPOT under-predicted by
 # 25-35 %). One or two streams only: the prefill worker takes ~0.4 s per such prompt, so more
 # streams would never all be decoding at once within a short generation.
-CALIBRATE = {"prefill": ((16, 0), (64, 0), (512, 0), (1024, 0), (2048, 0)), "repeats": 2, "short_extra": 6,
+CALIBRATE = {"prefill": ((16, 0), (64, 0)) + DENSE_PREFILL, "repeats": 2, "short_extra": 6,
              "batch": (1, 2, 4, 8), "ctx": (64, 384), "decode_tokens": 90, "long": ((1, 1536), (2, 1536)),
              "long_tokens": 150, "interference": True}
 QUICK = {"prefill": ((16, 0), (128, 0), (256, 64)), "repeats": 2, "batch": (1, 2, 4), "ctx": (32,),
          "decode_tokens": 32}  # 12 left 4 staggered streams under 10 shared gaps
 SHORT_PROMPT = 128   # served TTFTs of prompts up to this long give the first token's fixed delay
+TABLE_MIN_LENGTHS = 6  # fresh served lengths past SHORT_PROMPT for the model to pass through each (calibrate)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -280,9 +285,18 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
     curve = [(SHORT_PROMPT, 1.0)] + sorted((t, statistics.median(rs)) for (t, c), rs in ratios.items() if c == 0)
     if len(curve) >= 3:
         prefill = _reshaped_prefill(engine_lm, curve, prefill[3])
+    # with a dense grid of served lengths (CALIBRATE's), the model passes through each (LatencyModel's
+    # prefill_table): the measured time of one sequence, the served TTFT less the fixed delay
+    fresh: dict[int, list[float]] = {}
+    for t, c, ttft in points["prefill"]:
+        if c == 0:
+            fresh.setdefault(t, []).append(ttft - delay)
+    table = tuple((t, statistics.median(v)) for t, v in sorted(fresh.items()))
+    if sum(t > SHORT_PROMPT for t, _ in table) < TABLE_MIN_LENGTHS or any(v <= 0 for _, v in table):
+        table = ()
     interference = (points.get("interference") or {}).get("factor", 0.0)
     fd = fit_decode(points["decode"])
-    lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef))
+    lm = replace(engine_lm, prefill=prefill, decode=tuple(fd.coef), prefill_table=table)
     handoffs = [gap - lm.decode_time(1, L + 1) - lm.transfer_time(L * lm.kv_bytes_per_token) / max(lm.num_layers, 1)
                 for L, gap in points.get("first_gaps", ())]
     handoff = max(statistics.median(handoffs), 0.0) if handoffs else 0.0
@@ -292,6 +306,7 @@ def calibrate(engine_lm: LatencyModel, points: dict) -> tuple[LatencyModel, dict
     busy_admit = max(statistics.median(busy) - statistics.median(idle) - lm.decode_time(1, 100) / 2, 0.0) \
         if busy and idle else 0.0
     info = {"decode_fit": fd.as_dict(), "first_token_delay_s": delay, "prefill_scale": scale,
+            "prefill_table_lengths": len(table),
             "kv_handoff_s": handoff, "host_interference": interference, "busy_admit_s": busy_admit}
     # a load fit of an earlier calibration (a served profile's) does not carry over: it is
     # relative to the model that calibration made (apply_load fits this one's)

@@ -2,6 +2,7 @@
 the first token's delay timed through a local Ray cluster), then `plan validate` simulating a
 case and running it for real, both sides on the same requests."""
 import json
+import statistics
 
 import pytest
 
@@ -54,6 +55,17 @@ def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_pa
     assert len(points["busy_ttft"]) >= 16
     assert len(points["decode"]) > 8 and {b for b, _, _ in points["decode"]} == {1, 2, 4, 8}  # 8 shapes each
     assert len(points["interference"]["each"]) == 2
+    # served prefills every 128 tokens up to the longest prompt the model takes (960 of 1,024):
+    # the model the case was predicted with passes through each length's median
+    lm = LatencyModel.from_json(res["runs"][0]["latency_model"])
+    delay = res["runs"][0]["calibration"]["first_token_delay_s"]
+    fresh = {}
+    for t, c, ttft in points["prefill"]:
+        fresh.setdefault(t, []).append(ttft)
+    assert sorted(fresh) == [16, 64, 256, 384, 512, 640, 768, 896, 960]
+    assert [t for t, _ in lm.prefill_table] == sorted(fresh)
+    for t, ttfts in fresh.items():
+        assert lm.prefill_time(t) == pytest.approx(statistics.median(ttfts) - delay, rel=1e-6)
     # the load run: six synthetic requests at the case's rate, each compared with its simulated
     # self; the fitted slow-down per stream alongside is what the prediction carried
     load = res["runs"][0]["calibration"]["load"]

@@ -1,4 +1,5 @@
 """Fits recover known coefficients; a quick real profile of the tiny model gives a loadable model."""
+import json
 import random
 
 import pytest
@@ -225,3 +226,61 @@ def test_load_run_follows_the_length_distribution_of_the_workload_not_its_reques
     assert len(plain.requests) == 30 and all(128 <= r.prompt_len <= 512 - 128 - 2 for r in plain.requests)
     with pytest.raises(ValueError, match="rate > 0"):
         load_workload(0.0, 512, seed=1)
+
+
+def test_a_prefill_table_makes_the_model_pass_through_every_measured_length():
+    from dataclasses import replace
+
+    lm = LatencyModel(prefill=(0.005, 1e-4, 5e-8, 1e-7))
+    # a kernel whose time is not smooth in the length: 1,000 tokens slower, 1,500 faster than the quadratic
+    table = ((500, 0.060), (1000, 0.200), (1500, 0.250))
+    t = replace(lm, prefill_table=table)
+    for n, s in table:
+        assert t.prefill_time(n) == pytest.approx(s)
+        assert t.step_time([(n, 0)]) == pytest.approx(s)  # one sequence's step is its prefill
+    # between two lengths the quadratic is scaled by the ratio interpolated linearly: 750 tokens
+    # sit halfway between ratios 0.060/0.0675 and 0.200/0.155
+    ratio = (0.060 / 0.0675 + 0.200 / 0.155) / 2
+    assert t.prefill_time(750) == pytest.approx(lm.prefill_time(750) * ratio)
+    # past either end the nearest ratio holds; a cached prefix still costs p3 per token pair
+    assert t.prefill_time(2000) == pytest.approx(lm.prefill_time(2000) * 0.250 / lm.prefill_time(1500))
+    assert t.prefill_time(100) == pytest.approx(lm.prefill_time(100) * 0.060 / lm.prefill_time(500))
+    assert t.prefill_time(1000, 200) == pytest.approx(0.200 + 1e-7 * 1000 * 200)
+    # two sequences in one step pay the fixed cost once
+    assert t.step_time([(1000, 0), (500, 0)]) == pytest.approx(0.200 + 0.060 - 0.005)
+    # saved and loaded with the profile; without a table nothing changes
+    assert LatencyModel.from_json(json.loads(json.dumps(t.to_json()))) == t
+    assert LatencyModel.from_json(lm.to_json()).prefill_time(1000) == pytest.approx(lm.prefill_time(1000))
+    for bad in (((500, 0.06), (500, 0.07)), ((0, 0.1),), ((500, -0.1),)):
+        with pytest.raises(ValueError, match="prefill_table"):
+            replace(lm, prefill_table=bad)
+
+
+def _served_points(prefill_s, delay=0.015):
+    """Synthetic served calibration points: fresh prompts timed twice each, decode steps."""
+    prefill = [(t, 0, prefill_s(t) + delay + d) for t in [16] * 6 + [64] + list(range(256, 2049, 128))
+               for d in (-0.001, 0.001)]
+    decode = [(b, b * L, 0.004 + 0.0003 * b + 7e-7 * b * L) for b in (1, 2, 4, 8) for L in (64, 384)]
+    return {"prefill": prefill, "decode": decode}
+
+
+def test_calibration_on_dense_served_lengths_passes_through_each_of_them():
+    from cluster.planning.serving_profile import calibrate
+
+    engine = LatencyModel(prefill=(0.004, 9e-5, 5e-8, 1.4e-7), decode=(0.003, 3e-4, 7e-7))
+
+    def served(t):  # the engine's curve, 10 % slower on every third length (a kernel's blocking)
+        return engine.prefill_time(t) * (1.1 if (t // 128) % 3 == 0 else 1.0)
+
+    lm, info = calibrate(engine, _served_points(served))
+    assert info["first_token_delay_s"] == pytest.approx(0.015, abs=2e-3)
+    assert info["prefill_table_lengths"] == 2 + 15
+    for t in range(256, 2049, 128):
+        # the served TTFT less the delay, within the delay's own error
+        assert lm.prefill_time(t) == pytest.approx(served(t), abs=2e-3)
+    # only a few served lengths: the reshaped quadratic alone, which cannot follow the wiggles
+    few = {"prefill": [p for p in _served_points(served)["prefill"] if p[0] in (16, 64, 512, 1024, 2048)],
+           "decode": _served_points(served)["decode"]}
+    lm2, info2 = calibrate(engine, few)
+    assert lm2.prefill_table == () and info2["prefill_table_lengths"] == 0
+    assert max(abs(lm2.prefill_time(t) / served(t) - 1) for t in range(256, 2049, 128)) > 0.03
