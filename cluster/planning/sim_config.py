@@ -95,5 +95,6 @@ def sim_cluster(cfg: ClusterConfig, *, profile: LatencyModel | None = None,
                       max_queue=cfg.router.max_queue, transport=cfg.transport.kind,
                       first_token_delay_s=meta.get("first_token_delay_s", 0.0),
                       kv_handoff_s=meta.get("kv_handoff_s", 0.0), host_interference=meta.get("host_interference", 0.0),
-                      busy_admit_s=meta.get("busy_admit_s", 0.0), load_same=meta.get("load_same", 0.0),
+                      busy_admit_s=meta.get("busy_admit_s", 0.0), load_base=meta.get("load_base", 0.0),
+                      load_same=meta.get("load_same", 0.0),
                       load_other=meta.get("load_other", 0.0), load_other_prefill=meta.get("load_other_prefill"))

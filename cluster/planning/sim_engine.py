@@ -20,8 +20,8 @@ costing the pages it covers, plus one entry for each request's unshared pages, c
 pages not held by running requests. Pages a request reuses still count against the pool
 (as in the engine, a hit saves compute, not memory).
 
-The step time is the pool's `LatencyModel.step_time`, times `1 + load_per_stream` per decoding
-sequence past the first (what a served worker pays under staggered load beyond its calibrated
+The step time is the pool's `LatencyModel.step_time`, times `1 + load_base` for a step that only
+decodes, times `1 + load_per_stream` per decoding sequence past the first (what a served worker pays under staggered load beyond its calibrated
 step), times `slowdown(prefills)` (neighbours on the same host's cores prefilling or decoding
 slow this worker down, a step that prefills by its own factor). What the worker does with a
 request that reached its first token or finished is its owner's business (`on_sampled`).
@@ -145,6 +145,8 @@ class EngineSim:
         # x (1 + this per decoding sequence past the first): what a served worker's steps pay
         # under a staggered load beyond the calibrated step (load_run.fit_load)
         self.load_per_stream = 0.0
+        # x (1 + this) on a step that only decodes: what a lone stream pays under that load
+        self.load_base = 0.0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.arrived: deque[SimRequest] = deque()  # KV here, waiting for a sequence slot
@@ -312,6 +314,8 @@ class EngineSim:
         dur = self.latency.step_time(chunks, num_dec, ctx)
         if self.load_per_stream and num_dec > 1:
             dur *= 1.0 + self.load_per_stream * (num_dec - 1)
+        if self.load_base and num_dec and not chunks:
+            dur *= 1.0 + self.load_base
         if self.slowdown is not None:
             dur *= self.slowdown(bool(chunks))
         self.step = _Step(now, now + dur, chosen, bool(chunks), num_dec)

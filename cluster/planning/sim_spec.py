@@ -45,6 +45,7 @@ class SimCluster:
     kv_handoff_s: float = 0.0          # transfer done -> the decode worker holds it (notice, polling)
     host_interference: float = 0.0     # step time x (1 + this x other workers prefilling on the same host)
     busy_admit_s: float = 0.0          # a decode worker admits between steps; this much later while it steps
+    load_base: float = 0.0             # a decode step x (1 + this) under load, before the per-stream terms
     load_same: float = 0.0             # step time x (1 + this x decoding sequences past the first), under load
     load_other: float = 0.0            # step time x (1 + this x sequences decoding on other workers of the host)
     load_other_prefill: float | None = None  # the same for a step that prefills (None: load_other)

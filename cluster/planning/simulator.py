@@ -87,6 +87,7 @@ class Simulator:
                 self._order.append(v)
         for v in self._order:
             v.worker.load_per_stream = cluster.load_same
+            v.worker.load_base = cluster.load_base
         other_prefill = cluster.load_other if cluster.load_other_prefill is None else cluster.load_other_prefill
         if cluster.host_interference or cluster.load_other or other_prefill:
             by_host: dict[str, list[EngineSim]] = {}

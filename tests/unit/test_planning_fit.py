@@ -144,6 +144,27 @@ def test_load_fit_recovers_the_slow_down_per_stream_alongside():
     assert (fit["requests"], fit["load_same"], fit["load_other"], fit["ttft_offset_s"]) == (0, 0.0, 0.0, 0.0)
 
 
+
+def test_load_fit_takes_an_intercept_where_enough_streams_decoded_alone():
+    """Under a load's arrivals a lone stream may itself run slower than the idle calibration:
+    ten lone streams 7 % over, pairs 7 % + 0.3 over. With MIN_LONE_STREAMS lone requests the fit
+    has an intercept (load_base) and the per-stream factor is only what a second stream adds;
+    through the origin it would have put the lone streams' 7 % on every stream alongside."""
+    from cluster.planning.load_run import MIN_LONE_STREAMS, fit_load, with_load
+
+    specs = [(i, "d", 20.0 * i, 1.07) for i in range(10)]  # apart in time: alone
+    specs += [(10, "d", 500.0, 1.37), (11, "d", 500.0, 1.37), (12, "d", 600.0, 1.37), (13, "d", 600.0, 1.37)]
+    pairs = [_load_record(*s) for s in specs]
+    fit = fit_load([m for m, _ in pairs], [p for _, p in pairs])
+    assert fit["lone_streams"] == 10 >= MIN_LONE_STREAMS
+    assert fit["load_base"] == pytest.approx(0.07, abs=1e-9) and fit["load_same"] == pytest.approx(0.3, abs=1e-9)
+    lm = with_load(LatencyModel(), fit, 0.8)
+    assert lm.meta["load_base"] == pytest.approx(0.07)
+    # too few lone streams: no intercept, as before
+    few = [_load_record(*s) for s in specs[MIN_LONE_STREAMS - 1:]]
+    fit = fit_load([m for m, _ in few], [p for _, p in few])
+    assert fit["lone_streams"] < MIN_LONE_STREAMS and fit["load_base"] == 0.0
+
 def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_token():
     """Disaggregated: prompts prefilled on the prefill worker while streams decode on the decode
     worker take load_other x their prefill longer per stream; prompts on a quiet host a fixed

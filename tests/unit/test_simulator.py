@@ -224,6 +224,21 @@ def test_load_factors_slow_steps_by_streams_alongside_on_the_worker_and_on_its_n
                for r in simulate(SimCluster(no_host, load_other=0.25), wl(two)).records)
 
 
+
+def test_load_base_slows_a_step_that_only_decodes():
+    """load_base: under load a step that only decodes takes (1 + load_base) x the model's time,
+    alone or not; a step that prefills does not (the first token has its own offset)."""
+    lm = LatencyModel(prefill=(0.02, 1e-6, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+    one = [(0.0, 4, 101)]
+    base = simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)]), wl(one)).records[0]
+    slow = simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)], load_base=0.07), wl(one)).records[0]
+    assert slow.ttft_s == pytest.approx(base.ttft_s, rel=1e-9)
+    assert slow.tpot_s == pytest.approx(1.07 * base.tpot_s, rel=1e-6)
+    two = [(0.0, 4, 101), (0.0, 4, 101)]
+    both = simulate(SimCluster([SimPool("c", "colocated", 1, lm, BIG)], load_base=0.07, load_same=0.3),
+                    wl(two)).records
+    assert both[0].tpot_s == pytest.approx(1.07 * 1.3 * 0.01, rel=1e-6)
+
 def test_disaggregated_prefill_beside_a_decoding_stream_pays_load_other():
     """1P+1D on one host: a prompt arriving while the decode worker decodes a stream is
     dispatched to the prefill worker between two decode steps (the decode worker takes calls
