@@ -104,9 +104,10 @@ class Simulator:
                     # load_other_prefill on a step that prefills. A fixed 1.3x on prefills next to
                     # any decoding neighbour overshot the validation runs' TTFT p90 by 8-14 points
                     # (docs/capacity-planning.md)
-                    w.slowdown = lambda prefills, others=others: 1.0 + sum(
+                    w.slowdown = lambda prefills, span, others=others: 1.0 + sum(
                         cluster.host_interference * o.prefilling
-                        + (other_prefill if prefills else cluster.load_other) * o.decoding for o in others)
+                        + (other_prefill if prefills else cluster.load_other) * o.decoding_over(span)
+                        for o in others)
         self._view = {v.worker: v for v in self.prefills + self.decodes}
         self._by_name = {v.worker.name: v for v in self.prefills + self.decodes}
         self._policy = make_policy(cluster.policy, cluster.hash_page_size)

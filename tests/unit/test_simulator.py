@@ -261,6 +261,28 @@ def test_disaggregated_prefill_beside_a_decoding_stream_pays_load_other():
     assert slow[2].ttft_s == pytest.approx(base[2].ttft_s, rel=1e-9) == pytest.approx(0.1, rel=1e-6)
 
 
+
+def test_a_long_prefill_pays_only_for_the_part_a_neighbours_stream_overlaps():
+    """A 1,000-token prompt (1 s) arrives when the stream next door has about six 10-ms steps
+    left: its prefill pays load_other_prefill for the ~6 % of its length that stream decodes,
+    not for all of it, as the load fit reads streams (time-averaged over a prompt's TTFT)."""
+    lm = LatencyModel(prefill=(0.0, 1e-3, 0.0, 0.0), decode=(0.01, 0.0, 0.0))
+
+    def run(k, arrival):
+        pools = [SimPool("prefill", "prefill", 1, lm, BIG, host="h"), SimPool("decode", "decode", 1, lm, BIG, host="h")]
+        reqs = wl([(0.0, 4, 21), (arrival, 1000, 2)])
+        return simulate(SimCluster(pools, load_other_prefill=k), reqs).records[1]
+
+    base, slow = run(0.0, 0.15), run(0.5, 0.15)
+    left = 0.21 - 0.15  # the stream's remaining decode time when the prompt arrives (~6 steps)
+    assert slow.ttft_s - base.ttft_s == pytest.approx(0.5 * left, abs=0.015)
+    assert slow.ttft_s - base.ttft_s < 0.1 * 0.5  # the whole step slowed would be +0.5 s
+    # a stream that outlasts the prefill slows all of it
+    long = [SimPool("prefill", "prefill", 1, lm, BIG, host="h"), SimPool("decode", "decode", 1, lm, BIG, host="h")]
+    reqs = wl([(0.0, 4, 401), (0.15, 1000, 2)])
+    r = simulate(SimCluster(long, load_other_prefill=0.5), reqs).records[1]
+    assert r.ttft_s - base.ttft_s == pytest.approx(0.5, rel=0.02)
+
 @pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
 def test_disagg_vs_colocated_predicted_shows_colocated_prefill_stalls(tmp_path, capsys):
     """`bench disagg-vs-colocated --simulate` runs both arms on the same requests without a
