@@ -82,16 +82,13 @@ class LatencyModel:
     def step_time(self, chunks: Sequence[tuple[int, int]], num_decodes: int = 0, decode_context: int = 0) -> float:
         """One engine step running prefill `chunks` ((new tokens, tokens already in the KV) per
         sequence) and a decode batch of `num_decodes` sequences holding `decode_context` tokens."""
-        p0, p1, p2, p3 = self.prefill
+        p0, _, _, p3 = self.prefill
         d0, d1, d2 = self.decode
         fixed, var = 0.0, 0.0
         if chunks:
             fixed = p0
-            for t, c in chunks:
-                if self._ratios:  # this sequence's part of its measured time, less the step's fixed cost
-                    var += self._quadratic(t) * self._ratio(t) - p0 + p3 * t * c
-                else:
-                    var += t * (p1 + p2 * t + p3 * c)
+            for t, c in chunks:  # each sequence's own time, less the fixed cost the step pays once
+                var += self._quadratic(t) * self._ratio(t) - p0 + p3 * t * c
         if num_decodes:
             fixed = max(fixed, d0)
             var += d1 * num_decodes + d2 * decode_context

@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"served first-token delay over the engine's prefill: {delay * 1e3:.1f} ms")
     load = res.get("load")
     if load:
-        print(f"under load ({args.load_rate:g} req/s, {load['requests']} streams): a decode step x(1 + "
-              f"{load.get('load_base', 0.0):.2f}), x(1 + {load['load_same']:.2f}) per stream alongside on a worker, x(1 + {load['load_other']:.2f}) per stream on a neighbour, "
+        print(f"under load ({args.load_rate:g} req/s, {load['requests']} streams): a decode step "
+              f"x(1 + {load.get('load_base', 0.0):.2f}), x(1 + {load['load_same']:.2f}) per stream alongside on a "
+              f"worker, x(1 + {load['load_other']:.2f}) per stream on a neighbour, "
               f"first token +{load['ttft_offset_s'] * 1e3:.1f} ms")
     print(f"wrote {args.out}")
     return 0

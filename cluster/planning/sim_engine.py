@@ -21,10 +21,11 @@ pages not held by running requests. Pages a request reuses still count against t
 (as in the engine, a hit saves compute, not memory).
 
 The step time is the pool's `LatencyModel.step_time`, times `1 + load_base` for a step that only
-decodes, times `1 + load_per_stream` per decoding sequence past the first (what a served worker pays under staggered load beyond its calibrated
-step), times `slowdown(prefills)` (neighbours on the same host's cores prefilling or decoding
-slow this worker down, a step that prefills by its own factor; a neighbour's streams count for the
-share of the step they are expected to go on decoding, `decoding_over`). What the worker does with
+decodes and `1 + load_per_stream` per decoding sequence past the first (what a served worker pays
+under staggered load beyond its calibrated step), times `slowdown(prefills, span)` (neighbours on
+the same host's cores prefilling or decoding slow this worker down, a step that prefills by its
+own factor; a neighbour's streams count for the share of the step they are expected to go on
+decoding, `decoding_over`). What the worker does with
 a request that reached its first token or finished is its owner's business (`on_sampled`).
 """
 from __future__ import annotations
@@ -206,8 +207,7 @@ class EngineSim:
         for r in self.running:
             if r.computed >= r.prompt_len:
                 counted += min(1.0, max(r.output_len - r.generated, 0) * step_s / span)
-        counted += len(self.arrived) * 1.0
-        return min(counted, float(n))
+        return min(counted + len(self.arrived), float(n))
 
     @property
     def has_work(self) -> bool:
