@@ -342,8 +342,10 @@ class EngineSim:
         if self.slowdown is not None:
             # the factor depends on the step's length (how much of it a neighbour's streams
             # overlap); one refinement on the slowed length is enough
-            prefills = bool(chunks)
-            dur *= self.slowdown(prefills, dur * self.slowdown(prefills, dur))
+            f = self.slowdown(bool(chunks), dur)
+            if f != 1.0:  # nothing busy next door: the factor does not depend on the length
+                f = self.slowdown(bool(chunks), dur * f)
+            dur *= f
         self.last_step_s = dur
         self.step = _Step(now, now + dur, chosen, bool(chunks), num_dec)
         self.steps += 1
