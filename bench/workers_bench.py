@@ -62,7 +62,7 @@ def _child(role: str, conn, model: str, dtype: str, transport: str, max_batched:
 
         w = PrefillWorker(model, transport=transport, page_size=16, num_pages=600, **engine)
     elif role == "decode":
-        from decode_worker import DecodeWorker
+        from decode_worker import Admission, DecodeWorker
 
         w = DecodeWorker(model, transport=transport, page_size=32, num_pages=400, **engine)
     else:
@@ -79,10 +79,10 @@ def _child(role: str, conn, model: str, dtype: str, transport: str, max_batched:
             _, rid, prompt, max_tokens, desc = msg
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             if role == "prefill":
-                w.submit(PrefillTask.from_wire(rid, prompt, params, [desc]))
+                w.submit(PrefillTask(rid, prompt, params, [desc]))
             elif role == "decode":
                 adm = w.admit(rid, prompt, params)
-                conn.send(("admission", rid, adm.descriptor.to_bytes() if adm.descriptor else None))
+                conn.send(("admission", rid, adm.descriptor))
             else:
                 w.add_request(prompt, params, rid)
             continue
@@ -92,12 +92,13 @@ def _child(role: str, conn, model: str, dtype: str, transport: str, max_batched:
             for r in w.step():
                 conn.send(("first", r.request_id, time.monotonic()))
         elif role == "decode":
-            res = w.step()
+            outs = w.step()
             now = time.monotonic()
-            for adm in res.admissions:
-                conn.send(("admission", adm.request_id, adm.descriptor.to_bytes()))
-            for o in res.outputs:
-                conn.send(("tokens", o.request_id, now, len(o.new_token_ids), o.source.value, o.finished))
+            for o in outs:
+                if isinstance(o, Admission):  # a queued request got its pages
+                    conn.send(("admission", o.request_id, o.descriptor))
+                else:
+                    conn.send(("tokens", o.request_id, now, len(o.new_token_ids), o.source.value, o.finished))
         else:
             outs = w.step()
             now = time.monotonic()

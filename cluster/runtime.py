@@ -46,9 +46,11 @@ class Cluster:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from cluster.actors import DecodeActor, PrefillActor, RouterActor
+        from cluster.actors import RouterActor
+        from engine.checkpoint import resolve_model
 
         cfg = self.config
+        resolve_model(cfg.model)  # a built-in model is written here once, before any actor reads it
         if self.address is None:
             need_cpus = sum(p.resources.num_cpus * p.replicas for p in cfg.pools) + cfg.router.num_cpus
             custom: dict[str, float] = {}
@@ -71,8 +73,7 @@ class Cluster:
                 self._pgs.append(pg)
                 ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
                 for i in range(pool.replicas):
-                    self.workers.append(self._start_worker(pool, i, pg, local, PrefillActor, DecodeActor,
-                                                           PlacementGroupSchedulingStrategy))
+                    self.workers.append(self._start_worker(pool, i, pg, local, PlacementGroupSchedulingStrategy))
             ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
@@ -86,8 +87,11 @@ class Cluster:
             raise
         return self.router_address
 
-    def _start_worker(self, pool: PoolConfig, index: int, pg, local: bool, prefill_cls, decode_cls, strategy_cls):
+    def _start_worker(self, pool: PoolConfig, index: int, pg, local: bool, strategy_cls) -> WorkerRecord:
         import ray
+
+        from cluster.actors import WorkerSpec
+        from engine.async_worker import AsyncWorker
 
         shape = pool.resources
         extra = {k: v for k, v in shape.bundle().items() if k not in ("CPU", "GPU")}
@@ -96,14 +100,8 @@ class Cluster:
                     max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}")
         wid = f"{pool.name}-{index}"
         t = self.config.transport
-        if pool.role == "prefill":
-            actor = ray.remote(prefill_cls).options(**opts).remote(wid, pool.name, self.config.model, pool.engine,
-                                                                  t.kind, t.deadline_s, local,
-                                                                  begin_timeout_s=t.begin_timeout_s)
-        else:
-            actor = ray.remote(decode_cls).options(**opts).remote(wid, pool.name, pool.role, self.config.model,
-                                                                 pool.engine, t.kind, t.deadline_s, local,
-                                                                 begin_timeout_s=t.begin_timeout_s)
+        spec = WorkerSpec(pool.role, self.config.model, pool.engine, t.kind, t.deadline_s, local, t.begin_timeout_s)
+        actor = ray.remote(AsyncWorker).options(**opts).remote(spec, wid)
         return WorkerRecord(wid, pool.name, pool.role, actor)
 
     def stop(self, grace_s: float = 5.0) -> None:

@@ -1,18 +1,29 @@
-"""What crosses the decode worker's boundary: its settings, the admission it answers with
-(the destination descriptor for the prefill side), per-step token outputs, and its load
-report. Plain dataclasses; the request stage enum lives with the module that drives it
-(worker.py)."""
+"""What crosses the decode worker's boundary: its settings, the stage of a request, the admission
+it answers with (the destination descriptor for the prefill side), and per-step token outputs.
+Plain dataclasses with no torch, so the router's process can hold them."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from decode_worker.worker import DecodeStage
-    from engine.heap import GcPauseStats
-    from engine.sampler import TokenLogprobs
-    from kv_transfer.descriptor import DestinationDescriptor
+from engine.outputs import TokenLogprobs
+
+
+class DecodeStage(enum.IntEnum):
+    """A request's stage on a decode (or colocated) worker; decode_worker/worker.py draws the
+    transitions."""
+
+    QUEUED_FOR_PAGES = 0
+    WAITING_FOR_KV = 1
+    LOCAL_PREFILL = 2
+    DECODING = 3
+    FINISHED = 4
+    FAILED = 5
+    CANCELLED = 6
+
+    @property
+    def terminal(self) -> bool:
+        return self >= DecodeStage.FINISHED
 
 
 class TransferFailurePolicy(enum.Enum):
@@ -30,13 +41,11 @@ class DecodeConfig:
     """local_prefill_threshold: a prompt whose uncached part has fewer tokens than this is
     prefilled here, skipping the transfer (0 = always disaggregate).
     reserve_pages: admission keeps this many pages free for the running batch to grow into.
-    on_transfer_failure: what a FAILED transfer (deadline, prefill death, refusal) does.
-    tokens_per_s_window_s: the window of the load report's decode rate."""
+    on_transfer_failure: what a FAILED transfer (deadline, prefill death, refusal) does."""
 
     local_prefill_threshold: int = 0
     reserve_pages: int = 0
     on_transfer_failure: TransferFailurePolicy = TransferFailurePolicy.FAIL
-    tokens_per_s_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -46,20 +55,25 @@ class DecodeConfig:
         if not isinstance(self.on_transfer_failure, TransferFailurePolicy):
             raise ValueError(f"on_transfer_failure must be one of {[p.value for p in TransferFailurePolicy]}, "
                              f"got {self.on_transfer_failure!r}")
-        if self.tokens_per_s_window_s <= 0:
-            raise ValueError(f"tokens_per_s_window_s must be > 0, got {self.tokens_per_s_window_s}")
 
 
 @dataclass(slots=True)
 class Admission:
-    """The decode worker's answer to a new request. With `descriptor` set, send it (as
-    `descriptor.to_bytes()`) with the prefill task; QUEUED_FOR_PAGES gets its descriptor in a
-    later step's admissions; LOCAL_PREFILL needs no prefill worker at all."""
+    """The decode worker's answer to a new request. With `descriptor` set (the receiver's
+    `DestinationDescriptor.to_bytes()`), send it with the prefill task; QUEUED_FOR_PAGES gets its
+    descriptor in a later Admission, among the request's outputs; LOCAL_PREFILL needs no prefill
+    worker at all. `kv_bytes`: what the transfer will move (every destination page, K and V,
+    every layer)."""
 
     request_id: str
     stage: DecodeStage
-    descriptor: DestinationDescriptor | None = None
+    descriptor: bytes | None = None
     num_pages: int = 0
+    kv_bytes: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return False
 
 
 @dataclass(slots=True)
@@ -79,24 +93,3 @@ class DecodeOutput:
     # when it came from the prefill worker (its logprobs are in the PrefillResult).
     new_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, when the prompt was prefilled here
-
-
-@dataclass(slots=True)
-class StepResult:
-    outputs: list[DecodeOutput] = field(default_factory=list)
-    admissions: list[Admission] = field(default_factory=list)  # queued requests that got pages
-
-
-@dataclass(slots=True)
-class DecodeLoad:
-    running_requests: int
-    waiting_requests: int       # queued for pages + waiting for KV + engine-waiting (local/preempted)
-    queued_for_pages: int
-    waiting_for_kv: int
-    free_pages: int
-    total_pages: int
-    tokens_per_s: float
-    num_preemptions: int = 0
-    num_local_prefills: int = 0
-    num_reprefills: int = 0
-    gc: GcPauseStats | None = None  # the worker process's garbage collections (its actor sets it)

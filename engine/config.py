@@ -1,4 +1,4 @@
-"""Model and engine configuration.
+"""Model configuration (no torch: the router reads it too).
 
 `ModelConfig.from_pretrained(dir)` reads a Hugging Face `config.json` and keeps only what the
 engine executes; anything it cannot serve (an unknown architecture, sliding-window attention,
@@ -11,29 +11,22 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint or config asks for something this engine does not implement."""
 
 
-def parse_dtype(value: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
-    if value is None:
-        return default
-    if isinstance(value, torch.dtype):
-        if value in _DTYPES.values():
-            return value
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {value}")
-    name = value.removeprefix("torch.")
+def dtype_name(value: str) -> str:
+    """The canonical name of a dtype given as 'float32', 'bf16', 'torch.float16', ..."""
+    name = str(value).removeprefix("torch.")
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}.get(name, name)
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {value!r}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {value!r}")
+    return name
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,7 +59,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    checkpoint_dtype: torch.dtype | None = None
+    checkpoint_dtype: str | None = None  # 'float32', 'bfloat16' or 'float16' when the checkpoint says
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -127,7 +120,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            checkpoint_dtype=parse_dtype(ckpt_dtype, torch.float32) if ckpt_dtype in _DTYPES else None,
+            checkpoint_dtype=ckpt_dtype if ckpt_dtype in DTYPES else None,
             raw=cfg,
         )
 

@@ -1,19 +1,33 @@
 """`EngineCore`: one engine's parts put together: config, paged KV (block pool), scheduler,
-model runner, tokenizer; request validation and the step loop. `LLM` (llm.py) adds the
-batch `generate` API; the prefill and decode workers compose an EngineCore and drive its
-scheduler and runner with their own hooks (transfer per layer, KV arriving from elsewhere).
+model runner, tokenizer, and optionally a KV connector; request validation and the step.
+
+Every worker runs this same step, in this order:
+  1. the connector's events: KV received (the request joins at the next free slot), KV failed
+     (the owner's `on_kv_failure` policy: recompute here or fail), a held request released
+  2. schedule (engine/scheduler.py), which also starts the sends of prompts finishing this step
+  3. run the model; `KVConnector.save_layer` is called as each layer's K/V is written
+  4. sample; the first token of each send goes after its KV (`finish_save`)
+  5. outputs: every request whose output changed, ended ones (aborted, failed) included
+
+`LLM` (llm.py) adds the batch `generate` API; the prefill and decode workers configure an
+EngineCore (its connector, their policies) and call only its methods.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, parse_dtype
+from engine.checkpoint import resolve_model
+from engine.config import ModelConfig, dtype_name
 from engine.kv_cache_manager import KVCacheManager, pages_for
+from engine.kv_connector import KVConnector, KVEventKind
+from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -32,27 +46,21 @@ def _cpu_has_half_matmul() -> bool:
 
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024**2
+LOAD_WINDOW_S = 5.0  # the load report's tokens_per_s covers this many seconds
+
+# What the owner of an engine with a connector decides when a request's remote KV fails: True
+# to compute the prompt here instead, False to end the request with finish_reason "error".
+KVFailurePolicy = Callable[[Request, str], bool]
 
 Prompt = str | Sequence[int]
 
 
-def resolve_model(model: str | Path) -> Path:
-    """A checkpoint folder as given, or a built-in model named 'PRESET' or 'ARCH-PRESET'."""
-    path = Path(model)
-    if (path / "config.json").is_file():
-        return path
-    from engine.builtin import ARCHS, PRESETS, ensure_builtin
-
-    name = str(model)
-    arch, _, preset = name.rpartition("-") if "-" in name else ("llama", "", name)
-    if arch in ARCHS and preset in PRESETS:  # a built-in name wins over a folder that is no checkpoint
-        return ensure_builtin(arch=arch, preset=preset)
-    if path.is_dir():
-        return path  # the loader says what is missing
-    raise ValueError(
-        f"model {name!r} is neither a checkpoint folder nor a built-in name "
-        f"(PRESET or ARCH-PRESET with ARCH in {list(ARCHS)}, PRESET in {list(PRESETS)})"
-    )
+def parse_dtype(value: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if value is None:
+        return default
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    return getattr(torch, dtype_name(value))
 
 
 class EngineCore:
@@ -71,6 +79,8 @@ class EngineCore:
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,
         detokenize: bool = True,
+        kv_connector: KVConnector | None = None,
+        on_kv_failure: KVFailurePolicy | None = None,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
@@ -91,17 +101,23 @@ class EngineCore:
         _check_positive(num_pages=num_pages)
         self.page_size = page_size
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
+        self.connector = kv_connector
+        self.on_kv_failure = on_kv_failure
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, kv_connector)
         self.runner = ModelRunner(
             self.model_dir, cfg, dtype=self.dtype, device=self.device, page_size=page_size,
             num_pages=num_pages, max_model_len=self.max_model_len, attention_backend=attention_backend,
         )
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.runner.kv_caches)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.detokenize = detokenize and self.tokenizer is not None
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ()
         )
         self._requests: dict[str, Request] = {}
+        self._ended: list[Request] = []  # ended outside a step (aborted): their output is due
+        self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
         self._ids = itertools.count()
 
     # ---- request intake -------------------------------------------------------------------
@@ -121,7 +137,10 @@ class EngineCore:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
         return ids
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     kv_destinations: Sequence = ()) -> Request:
+        """A validated request, not queued yet (`add` or `add_remote` queues it). With
+        `kv_destinations`, the prompt's KV goes there once computed (the connector's kind)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt)
@@ -140,52 +159,173 @@ class EngineCore:
                 f"{pages_for(max_total, self.page_size)} KV pages; the cache holds {self.kv.num_pages}"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._requests:
-            raise ValueError(f"request_id {rid!r} is already running")
+        self._check_new(rid)
         detok = None
         if self.detokenize:
             from engine.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer, ids, stop=list(params.stop))
-        return Request(
+        req = Request(
             request_id=rid, prompt_token_ids=ids, params=params, max_total_tokens=max_total,
             eos_token_ids=self.eos_token_ids,
             generator=None if params.greedy else make_generator(params.seed, self.device),
-            detokenizer=detok,
+            detokenizer=detok, kv_destinations=tuple(kv_destinations),
         )
+        if req.kv_destinations:
+            if self.connector is None:
+                raise ValueError("kv_destinations need an engine with a KV connector; this one has none")
+            self.connector.check(req)
+        return req
+
+    def add(self, req: Request) -> None:
+        """Queue a request from `make_request` to be computed here."""
+        self._check_new(req.request_id)
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def add_remote(self, req: Request) -> object | None:
+        """Allocate pages for a request's prompt and wait for its KV from another worker.
+        Returns where the sender writes (the connector's descriptor), or None (nothing kept)
+        when the pages are not free."""
+        if self.connector is None:
+            raise ValueError("a request whose KV comes from elsewhere needs an engine with a KV connector")
+        self._check_new(req.request_id)
+        if not self.kv.allocate(req, req.num_prompt_tokens):
+            return None
+        try:
+            where = self.connector.prepare_receive(req)
+        except BaseException:
+            self.kv.free(req)
+            raise
+        self._requests[req.request_id] = req
+        self.scheduler.add_remote(req)
+        return where
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._requests or request_id in self.scheduler.held:
+            raise ValueError(f"request_id {request_id!r} is already running")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         req = self.make_request(prompt, params or SamplingParams(), request_id)
-        self._requests[req.request_id] = req
-        self.scheduler.add(req)
+        self.add(req)
         return req.request_id
 
-    def abort_request(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state; its final output (finish_reason "abort") comes with the
+        next step. Its pages are free at once, or when the connector is done with them. A
+        finished request whose pages are still held for its transfer has that transfer ended
+        (no output: it had its final one). False if the engine does not know the request."""
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.abort(req)
+        if req is None:
+            held = self.scheduler.held.get(request_id)
+            if held is None:
+                return False
+            self.connector.cancel(held)  # finished, its transfer still running: end that
+            return True
+        self.scheduler.abort(req)
+        self._ended.append(req)
+        return True
+
+    abort_request = abort
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens of `req` the prefix cache holds now."""
+        return len(self.kv.find_cached_prefix(req)) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.page_size)
 
     # ---- execution ------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def has_work(self) -> bool:
+        """Whether `step` would do something now. Requests waiting for KV or held pages are not
+        work: the connector's wake-up announces their events."""
+        return bool(self.scheduler.has_unfinished or self._ended
+                    or (self.connector is not None and self.connector.has_events))
+
+    @property
+    def has_requests(self) -> bool:
+        """Any request open in any state, held pages included."""
+        return bool(self._requests or self.scheduler.held or self._ended)
+
+    def set_wakeup(self, fn: Callable[[], None]) -> None:
+        """Call `fn` (from any thread) when the connector has news for the next step."""
+        if self.connector is not None:
+            self.connector.set_wakeup(fn)
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; returns the requests whose output changed."""
-        batch = self.scheduler.schedule()
+        if self.connector is not None:
+            self._apply_kv_events()
+        sched = self.scheduler
+        batch = sched.schedule()
+        ended, self._ended = self._ended + batch.failed, []
+        # A joined request's output (its first token, sampled elsewhere) goes out apart from the
+        # token it decodes in this same step.
+        outputs = self._outputs(ended + batch.joined)
         if batch.empty:
-            return []
-        sampled = self.runner.execute(batch)
-        return self.finish_step(batch, sampled)
+            return outputs
+        on_layer = self.connector.save_layer if batch.saving else None
+        sampled = self.runner.execute(batch, on_layer=on_layer)
+        failed = []
+        for req in batch.saving:
+            error = self.connector.finish_save(req, sampled[req][0]) if req in sampled else None
+            if error is not None:
+                sched.finish(req, error)
+                failed.append(req)
+        changed = sched.update(batch, sampled)
+        self._generated.append((time.monotonic(), len(changed)))  # one token each, sampled here
+        return outputs + self._outputs(failed + changed)
 
-    def finish_step(self, batch, sampled) -> list[RequestOutput]:
+    def _outputs(self, reqs: list[Request]) -> list[RequestOutput]:
         outputs = []
-        for req in self.scheduler.update(batch, sampled):
+        for req in reqs:
             outputs.append(req.take_output())
-            if req.status.finished:
-                self._requests.pop(req.request_id, None)
+            if req.status.finished and self._requests.get(req.request_id) is req:
+                del self._requests[req.request_id]
         return outputs
 
+    def _apply_kv_events(self) -> None:
+        sched = self.scheduler
+        for ev in self.connector.take_events():
+            req = ev.request
+            if sched.release(req):
+                continue
+            if ev.kind == KVEventKind.RECEIVED:
+                sched.kv_received(req, ev.first_token)
+            elif ev.kind == KVEventKind.FAILED and sched.kv_failed(req):
+                error = ev.error or "KV transfer failed"
+                if self.on_kv_failure is not None and self.on_kv_failure(req, error):
+                    sched.recompute(req)
+                else:
+                    req.fail(error)
+                    self._ended.append(req)
+
     # ---- introspection --------------------------------------------------------------------
+    def load(self) -> WorkerLoad:
+        sched, pool = self.scheduler, self.kv.pool
+        now = time.monotonic()
+        while self._generated and self._generated[0][0] < now - LOAD_WINDOW_S:
+            self._generated.popleft()
+        span = min(LOAD_WINDOW_S, now - self._generated[0][0]) if self._generated else 0.0
+        return WorkerLoad(
+            running_requests=len(sched.running),
+            waiting_requests=len(sched.waiting) + len(sched.waiting_kv) + len(sched.ready),
+            queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            running_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
+            transferring_requests=len(sched.held) + len(sched.waiting_kv),
+            free_pages=self.kv.num_free_pages,
+            total_pages=self.kv.num_pages,
+            tokens_per_s=sum(n for _, n in self._generated) / span if span > 0 else 0.0,
+            prefix_cache_hit_rate=pool.hits / pool.queries if pool.queries else 0.0,
+            prefix_cache_queries=pool.queries,
+            num_preemptions=sched.num_preemptions,
+            waiting_for_kv=len(sched.waiting_kv) + len(sched.ready),
+        )
+
     @property
     def num_free_pages(self) -> int:
         return self.kv.num_free_pages
@@ -197,6 +337,15 @@ class EngineCore:
     @property
     def num_computed_prompt_tokens(self) -> int:
         return self.scheduler.num_computed_prompt_tokens
+
+    def close(self) -> None:
+        """Abort every open request and close the connector (its pages come back first)."""
+        for rid in list(self._requests):
+            self.abort(rid)
+        if self.connector is not None:
+            self.connector.close()
+            self._apply_kv_events()
+        self._ended.clear()
 
 
 def _check_positive(**values: int) -> None:

@@ -33,8 +33,7 @@ class LLM(EngineCore):
         base = next(self._ids)
         reqs = [self.make_request(p, sp, f"gen-{base}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         for req in reqs:  # all validated before any is queued
-            self._requests[req.request_id] = req
-            self.scheduler.add(req)
+            self.add(req)
         final: dict[str, RequestOutput] = {}
         ids = {r.request_id for r in reqs}
         while len(final) < len(reqs):

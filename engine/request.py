@@ -1,9 +1,20 @@
 """A request inside the engine and its lifecycle.
 
-    WAITING --schedule--> RUNNING --(stop | length)--> FINISHED_*
-       ^                     |
-       +----- PREEMPTED <----+   (pages reclaimed; KV recomputed from all tokens later)
-    any state --abort--> FINISHED_ABORTED
+    WAITING --schedule--> RUNNING --(stop | length)--> FINISHED_STOPPED / FINISHED_LENGTH
+       ^                   ^  |
+       |                   |  +--> PREEMPTED (pages reclaimed; KV recomputed from all tokens later)
+       |                   |          |
+       +-------------------+----------+
+       |                   |
+       |   WAITING_FOR_REMOTE_KV --KV received (first token with it)--^
+       |        |
+       +--------+ KV failed, the worker's policy says recompute here
+                | KV failed, the policy says fail --> FINISHED_ERROR
+    any state --abort--> FINISHED_ABORTED;  a send that cannot start or finish --> FINISHED_ERROR
+
+WAITING_FOR_REMOTE_KV: the request's pages are allocated and a KV connector fills them from
+another worker; the scheduler never schedules it until the connector reports the KV complete
+(the request then joins the batch with the first token sampled elsewhere) or failed.
 
 A request computes `all_token_ids` (prompt + generated) into KV, `num_computed_tokens` at a
 time. It samples whenever its computed tokens reach the end of `all_token_ids`, which covers
@@ -24,11 +35,13 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -36,7 +49,11 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 @dataclass(slots=True, eq=False)
@@ -48,6 +65,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = None
     detokenizer: object | None = None  # engine.detokenizer.IncrementalDetokenizer, or None for ids only
+    # Where the prompt's KV goes once computed (the KV connector's destinations, opaque to the
+    # engine); empty for a request whose KV stays here.
+    kv_destinations: tuple = ()
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -57,6 +77,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
     num_preemptions: int = 0
     stop_reason: str | int | None = None
+    error: str | None = None  # why it finished with FINISHED_ERROR
     logprobs: list | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     _emitted_tokens: int = 0
@@ -107,11 +128,15 @@ class Request:
     def abort(self) -> None:
         self._finish(RequestStatus.FINISHED_ABORTED, None)
 
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._finish(RequestStatus.FINISHED_ERROR, None)
+
     def _finish(self, status: RequestStatus, stop_reason: str | int | None) -> None:
         self.status = status
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.monotonic()
-        if self.detokenizer is not None and status != RequestStatus.FINISHED_ABORTED:
+        if self.detokenizer is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self._pending_text += self.detokenizer.finish()
 
     def take_output(self) -> RequestOutput:
@@ -132,4 +157,5 @@ class Request:
             logprobs=self.logprobs,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             metrics=self.metrics,
+            error=self.error,
         )

@@ -17,20 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 # Top-p needs the tokens sorted by probability. A full sort of V=32k costs milliseconds per
 # row on a CPU, while the nucleus usually fits in the top few hundred: sort only those, and
 # widen to the next size (then the full row) for rows whose nucleus reaches the last one.
 _TOP_P_CANDIDATES = (256, 4096)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # log-softmax of the raw logits, before temperature and filters
-    rank: int  # 1-based rank of the chosen token among the raw logits
-    top: list[tuple[int, float]]  # top-n (id, logprob) by raw logprob, n = params.logprobs
 
 
 @dataclass(slots=True)
@@ -44,6 +37,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
     return g
+
+
+def skip_draw(generator: torch.Generator | None) -> None:
+    """Advance a request's generator past one token sampled elsewhere with the same seed (the
+    prefill side samples a disaggregated request's first token): each sampled token consumes
+    exactly one uniform (module docstring), so the next draw here matches a colocated run."""
+    if generator is not None:
+        torch.rand(1, device=generator.device, generator=generator)
 
 
 class Sampler:

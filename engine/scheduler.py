@@ -1,6 +1,8 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill and preemption by recompute, and the scheduler side
+of the KV connector (engine/kv_connector.py).
 
-Each step has a token budget (`max_num_batched_tokens`). Running requests are served first,
+Each step has a token budget (`max_num_batched_tokens`). First, requests whose remote KV has
+arrived join the running batch, while sequence slots last. Running requests are served next,
 in arrival order: a decoding request takes one token, a request still prefilling takes the
 rest of its prompt or whatever budget is left (a chunk). Then waiting requests are admitted,
 oldest first, while budget, sequence slots and pages last; a newly admitted request first
@@ -10,26 +12,43 @@ When a running request needs a page and none is free, the most recently arrived 
 request is preempted: its pages go back to the pool (full ones stay findable in the prefix
 cache) and it returns to the front of the waiting queue, to be recomputed from all its tokens
 later. Nothing it generated is lost, and a seeded request keeps its generator state.
+
+The request states this module moves (engine/request.py draws them all):
+  waiting      WAITING / PREEMPTED, no pages (or a cached prefix being taken)
+  waiting_kv   WAITING_FOR_REMOTE_KV: pages allocated, the connector fills them; never scheduled
+  ready        WAITING_FOR_REMOTE_KV, KV complete: joins `running` at the next step with a free slot
+  running      RUNNING
+  held         finished, pages still needed by the connector (a send or receive in flight) until
+               `release`
+A request whose last prompt chunk is scheduled and whose KV goes elsewhere (`kv_destinations`)
+starts its send here (`KVConnector.start_save`); a send that cannot start fails the request.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
 from engine.request import Request, RequestStatus
+from engine.sampler import skip_draw
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: (request, number of new tokens), decode-shaped (1 token) first."""
+    """One step's work: (request, number of new tokens), decode-shaped (1 token) first.
+    `joined`: requests that joined with a first token sampled elsewhere (their output is due
+    even if they finished on it); `saving`: requests whose KV send started this step;
+    `failed`: requests that failed while being scheduled (a send that could not start)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
+    joined: list[Request] = field(default_factory=list)
+    saving: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -41,49 +60,107 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 connector: KVConnector | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_kv: dict[str, Request] = {}
+        self.ready: deque[tuple[Request, int]] = deque()  # KV complete: (request, first token)
+        self.held: dict[str, Request] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (not cache hits)
         self.num_preemptions = 0
-        # Called instead of freeing a finished request's pages when set (a prefill worker
-        # holds them until the KV transfer is done).
-        self.on_retire: Callable[[Request], None] | None = None
 
+    # ---- intake ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """Join a request whose prompt KV is already in its pages (filled by a KV transfer):
-        it has `num_computed_tokens` set and its next token appended, and decodes from the
-        next step on. Preempting it later recomputes its KV here, like any other request."""
-        assert request.pages and request.num_computed_tokens == request.num_tokens - 1
-        request.status = RequestStatus.RUNNING
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = 0
-        self.running.append(request)
+    def add_remote(self, request: Request) -> None:
+        """A request whose pages hold (or will hold) its prompt KV from another worker."""
+        assert request.pages, "allocate the request's pages before waiting for its KV"
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_kv[request.request_id] = request
+
+    def kv_received(self, request: Request, first_token: int) -> None:
+        """The connector filled the request's pages: it joins the batch at the next free slot."""
+        if self.waiting_kv.get(request.request_id) is request:
+            del self.waiting_kv[request.request_id]
+            self.ready.append((request, first_token))
+
+    def kv_failed(self, request: Request) -> bool:
+        """The request's KV will not come. Its pages return to the pool; False if it was not
+        waiting for KV (a stale event). The caller decides between recompute and failure."""
+        if self.waiting_kv.get(request.request_id) is not request:
+            return False
+        del self.waiting_kv[request.request_id]
+        self.kv.free(request)
+        return True
+
+    def recompute(self, request: Request) -> None:
+        """Queue a request to compute its prompt here from scratch (its KV was to come from elsewhere)."""
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests that a step can move now (those waiting for KV or held cannot)."""
+        return bool(self.waiting or self.running or self.ready)
 
+    @property
+    def num_open(self) -> int:
+        """Requests in the engine in any state, held ones included."""
+        return len(self.waiting) + len(self.running) + len(self.waiting_kv) + len(self.ready) + len(self.held)
+
+    # ---- endings --------------------------------------------------------------------------
     def abort(self, request: Request) -> None:
+        self.finish(request, None)
+
+    def finish(self, request: Request, error: str | None) -> None:
+        """End a request in any live state: aborted (error None) or failed with `error`."""
         if request.status.finished:
             return
+        rid = request.request_id
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.abort()
-        self.kv.free(request)
+        elif self.waiting_kv.get(rid) is request:
+            del self.waiting_kv[rid]
+        else:
+            self.ready = deque((r, t) for r, t in self.ready if r is not request)
+        if error is None:
+            request.abort()
+        else:
+            request.fail(error)
+        self.retire(request)
 
+    def retire(self, request: Request) -> None:
+        """A finished request leaves the batch. Its pages go back to the pool (full pages stay
+        in the prefix cache), unless the connector still needs them: then they are held until
+        `release`."""
+        if self.connector is not None and self.connector.request_finished(request):
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def release(self, request: Request) -> bool:
+        """The connector is done with a held request's pages; False if it was not held."""
+        if self.held.get(request.request_id) is not request:
+            return False
+        del self.held[request.request_id]
+        self.kv.free(request)
+        return True
+
+    # ---- the step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._join_ready(batch)
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -92,7 +169,7 @@ class Scheduler:
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                batch.preempted.append(victim)
                 if victim is req:
                     break
             else:
@@ -102,7 +179,7 @@ class Scheduler:
                 continue
             break  # req itself was preempted: every request after it is gone too
 
-        if not preempted:
+        if not batch.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
@@ -120,14 +197,41 @@ class Scheduler:
                 budget -= n
 
         chosen.sort(key=lambda rn: rn[1] != 1)  # stable: decode-shaped first, order kept
-        batch = ScheduledBatch(preempted=preempted)
         for req, n in chosen:
+            if req.kv_destinations and self._starts_save(req, n):
+                error = self.connector.start_save(req)
+                if error is not None:
+                    self.finish(req, error)
+                    batch.failed.append(req)
+                    continue
+                batch.saving.append(req)
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
+
+    @staticmethod
+    def _starts_save(req: Request, n: int) -> bool:
+        """This step computes the last prompt token of a request not yet sampled (so not after
+        a preemption: its KV was sent when first computed)."""
+        return req.num_computed_tokens + n == req.num_prompt_tokens and req.num_output_tokens == 0
+
+    def _join_ready(self, batch: ScheduledBatch) -> None:
+        while self.ready and len(self.running) < self.max_num_seqs:
+            req, first_token = self.ready.popleft()
+            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_cached_tokens = 0
+            req.metrics.first_scheduled_time = time.monotonic()
+            skip_draw(req.generator)  # the one uniform the sampling side drew for this token
+            req.append_token(first_token)
+            batch.joined.append(req)
+            if req.status.finished:
+                self.retire(req)
+            else:
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -139,9 +243,12 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: dict[Request, tuple[int, object]]) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
-        Returns every request whose output changed (finished ones included)."""
+        Returns every request whose output changed (finished ones included). A request that
+        ended while the step ran (a send that failed at its finish) is skipped."""
         changed = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.status.finished:
+                continue
             req.num_computed_tokens += n
             self.kv.cache_full_pages(req)
             if req in sampled:
@@ -152,11 +259,3 @@ class Scheduler:
                     self.running.remove(req)
                     self.retire(req)
         return changed
-
-    def retire(self, req: Request) -> None:
-        """A finished request leaves the batch. Its pages go back to the pool (full pages stay
-        in the prefix cache), unless `on_retire` takes them over."""
-        if self.on_retire is not None:
-            self.on_retire(req)
-        else:
-            self.kv.free(req)

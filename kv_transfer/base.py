@@ -1,9 +1,9 @@
 """The transfer contract both worker roles program against.
 
 Decode side (owns destination pages):
-    receiver = create_receiver("nixl", pool, config, on_release=free_pages)
+    receiver = create_receiver("nixl", pool, config, on_release=free_pages, on_done=arrived)
     desc = receiver.expect(request_id, page_ids, num_tokens)   # publish desc to the router
-    status = receiver.wait(request_id, timeout)                # or poll receiver.status()
+    status = receiver.wait(request_id, timeout)                # or wait for on_done(request_id)
     receiver.take(request_id)                                  # DONE: pages are the worker's
 Prefill side (owns source pages):
     sender = create_sender("nixl", pool, config, on_release=unpin_pages)
@@ -25,7 +25,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.descriptor import DestinationDescriptor
 from kv_transfer.handshake import CompatInfo
 from kv_transfer.layout import KVPool
-from kv_transfer.receiver_book import ReceiverBook, ReleaseFn
+from kv_transfer.receiver_book import DoneFn, ReceiverBook, ReleaseFn
 from kv_transfer.sender_book import SenderBook, SenderReleaseFn
 from kv_transfer.states import TransferStatus
 
@@ -82,9 +82,10 @@ class Ticker:
 class KVReceiver(ABC):
     transport: str = ""
 
-    def __init__(self, pool: KVPool, config: TransferConfig, on_release: ReleaseFn | None = None) -> None:
+    def __init__(self, pool: KVPool, config: TransferConfig, on_release: ReleaseFn | None = None,
+                 on_done: DoneFn | None = None) -> None:
         self.pool, self.config = pool, config
-        self.book = ReceiverBook(pool, on_release)
+        self.book = ReceiverBook(pool, on_release, on_done)
         self.receiver_id = f"recv-{uuid.uuid4().hex[:12]}"
         self.compat = CompatInfo.of(pool.spec, pool.layout)
 

@@ -27,7 +27,7 @@ from kv_transfer.handshake import answer
 from kv_transfer.heap import keep_message_buffers
 from kv_transfer.layout import KVLayout, KVPool, torch_dtype
 from kv_transfer.mapping import write_pages, write_token_run
-from kv_transfer.receiver_book import ReleaseFn, TransferRejected
+from kv_transfer.receiver_book import DoneFn, ReleaseFn, TransferRejected
 from kv_transfer.service import serve
 from kv_transfer.wire import PushFrame
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 class GrpcReceiver(KVReceiver):
     transport = "grpc"
 
-    def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None) -> None:
-        super().__init__(pool, config or TransferConfig(), on_release)
+    def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None,
+                 on_done: DoneFn | None = None) -> None:
+        super().__init__(pool, config or TransferConfig(), on_release, on_done)
         if self.config.grpc_tune_malloc:
             keep_message_buffers(self.config.chunk_bytes)
         self._senders: dict[str, KVLayout] = {}

@@ -16,7 +16,7 @@ from kv_transfer.descriptor import DestinationDescriptor
 from kv_transfer.handshake import HandshakeError, answer, make_request
 from kv_transfer.layout import KVLayout, KVPool
 from kv_transfer.mapping import pages_of_run, plan_runs, read_token_run, write_token_run
-from kv_transfer.receiver_book import ReleaseFn, TransferRejected
+from kv_transfer.receiver_book import DoneFn, ReleaseFn, TransferRejected
 from kv_transfer.sender_book import SenderReleaseFn
 from kv_transfer.states import TransferState, TransferStatus
 
@@ -47,8 +47,8 @@ class LocalReceiver(KVReceiver):
     transport = "local"
 
     def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None,
-                 hub: LocalHub | None = None) -> None:
-        super().__init__(pool, config or TransferConfig(), on_release)
+                 hub: LocalHub | None = None, on_done: DoneFn | None = None) -> None:
+        super().__init__(pool, config or TransferConfig(), on_release, on_done)
         if hub is None:
             raise ValueError("LocalReceiver needs hub=LocalHub() shared with its senders")
         self.hub = hub

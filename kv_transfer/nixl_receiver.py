@@ -38,7 +38,7 @@ from kv_transfer.layout import KVLayout, KVPool
 from kv_transfer.mapping import cast_view, is_homogeneous, write_token_run
 from kv_transfer.nixl_pool import NixlPoolAgent, PeerPool
 from kv_transfer.nixl_reads import PreparedReads, Read, Source, SourceKey
-from kv_transfer.receiver_book import ReleaseFn, TransferRejected
+from kv_transfer.receiver_book import DoneFn, ReleaseFn, TransferRejected
 from kv_transfer.service import serve
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 
@@ -51,8 +51,9 @@ PARKED_POLL_S = 0.02  # poll period with no request begun (deadlines are still r
 class NixlReceiver(KVReceiver):
     transport = "nixl"
 
-    def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None) -> None:
-        super().__init__(pool, config or TransferConfig(), on_release)
+    def __init__(self, pool: KVPool, config: TransferConfig | None = None, on_release: ReleaseFn | None = None,
+                 on_done: DoneFn | None = None) -> None:
+        super().__init__(pool, config or TransferConfig(), on_release, on_done)
         self.nixl = NixlPoolAgent(self.receiver_id, pool, self.config.staging_bytes,
                                   self.config.ucx_net_devices)
         self._peers: dict[str, PeerPool] = {}                         # sender_id -> its pool

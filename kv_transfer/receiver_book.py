@@ -7,8 +7,8 @@ Lifecycle of a request on the decode side:
   other work: a prefill pool's queue is not a transfer); begin() from each sender (after its
   handshake) -> WAITING, and the transfer deadline runs from the first begin;
   check_run() + mark() per written run -> TRANSFERRING; all layers x tokens x held heads
-  written and a final notice in -> DONE; the worker then take()s the request (its pages
-  are the worker's to decode from). On FAILED (deadline, peer death, rejected message,
+  written and a final notice in -> DONE, announced by `on_done(request_id)`; the worker then
+  take()s the request (its pages are the worker's to decode from). On FAILED (deadline, peer death, rejected message,
   cancel) the ledger calls `on_release(request_id, pages)` once no write into those pages
   is still in flight, so a late write can never land in a page the pool reused.
 """
@@ -30,6 +30,7 @@ from kv_transfer.states import TransferState, TransferStatus
 log = logging.getLogger(__name__)
 
 ReleaseFn = Callable[[str, list[int]], None]
+DoneFn = Callable[[str], None]
 
 
 class TransferRejected(ValueError):
@@ -52,10 +53,12 @@ class Incoming:
 
 
 class ReceiverBook:
-    def __init__(self, pool: KVPool, on_release: ReleaseFn | None = None, history: int = 4096) -> None:
+    def __init__(self, pool: KVPool, on_release: ReleaseFn | None = None, on_done: DoneFn | None = None,
+                 history: int = 4096) -> None:
         self.pool = pool
         self.layout = pool.layout
         self._on_release = on_release
+        self._on_done = on_done
         self._lock = threading.RLock()
         self._active: dict[str, Incoming] = {}
         self._history: OrderedDict[str, TransferStatus] = OrderedDict()
@@ -241,6 +244,8 @@ class ReceiverBook:
         if inc.remaining == 0 and inc.writers == 0 and inc.finals and inc.finals >= inc.senders.keys():
             if inc.status.advance(TransferState.DONE):
                 inc.status.finish()  # the pages stay with the request until take()
+                if self._on_done is not None:
+                    self._on_done(inc.status.request_id)
 
     # ---- endings ----------------------------------------------------------------------------
     def fail(self, request_id: str, reason: str) -> None:

@@ -1,3 +1,6 @@
 """gRPC front door: validation, tokenization, placement policies, admission, streaming.
-May import engine (tokenizer, block hashes) and proto; never the worker internals directly.
+Imports the workers' boundary types (decode_worker.types, prefill_worker.types) and the
+engine's light public modules (sampling params, block hashes, loads, checkpoint lookup),
+never torch, the model code or a worker: the router's process stays small (import-linter
+contracts in pyproject.toml; tests/unit/test_router_imports.py).
 """

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from router.dispatch import Dispatcher
 from router.frontend import Frontend, FrontendLimits
-from router.handles import DecodeHandle, PrefillHandle
+from router.handles import WorkerHandle
 from router.policy import make_policy
 from router.server import RouterServer
 from router.service import InferenceService
 
 
-def build_router(model: str | Path, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], *,
+def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], *,
                  host: str = "127.0.0.1", port: int = 0, policy: str = "prefix-aware", hash_page_size: int = 16,
                  max_model_len: int | None = None, max_inflight: int = 64, max_queue: int = 256,
                  max_prefill_attempts: int = 2, limits: FrontendLimits | None = None,

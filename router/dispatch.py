@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.worker import DecodeStage
+from decode_worker.types import Admission, DecodeStage
 from engine.sampling_params import SamplingParams
-from prefill_worker.tasks import PrefillResult, PrefillTask
+from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
-from router.handles import DecodeHandle, PrefillHandle
+from router.handles import WorkerHandle
 from router.policy import PlacementPolicy, WorkerView
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ class RequestStats:
 @dataclass(slots=True)
 class _Live:
     """What must be cancelled if the request ends early."""
-    decode: DecodeHandle | None = None
-    prefill: PrefillHandle | None = None
+    decode: WorkerHandle | None = None
+    prefill: WorkerHandle | None = None
     worker_rid: str = ""
     done: bool = False
     first_token: int | None = None  # from the prefill result, sent ahead of the decode stream
@@ -88,14 +88,14 @@ class _Live:
 
 
 class Dispatcher:
-    def __init__(self, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], policy: PlacementPolicy,
+    def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, unresponsive_after_s: float = 30.0) -> None:
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
         self.decodes = {h.worker_id: h for h in decodes}
         self.views = {h.worker_id: WorkerView(h.worker_id, h.pool, "prefill") for h in prefills}
-        self.views.update({h.worker_id: WorkerView(h.worker_id, h.pool, getattr(h, "role", "decode")) for h in decodes})
+        self.views.update({h.worker_id: WorkerView(h.worker_id, h.pool, h.role) for h in decodes})
         self.policy = policy
         self.max_prefill_attempts = max_prefill_attempts
         if not unresponsive_after_s > 0:
@@ -230,7 +230,7 @@ class Dispatcher:
                 raise RequestError(f"decode worker {dview.worker_id} refused the request: {exc}") from exc
             stats.decode_worker = dview.worker_id
             if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
-                adm = await decode.wait_admitted(rid)
+                adm = await _admitted(decode, rid)
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
                 if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
@@ -239,7 +239,7 @@ class Dispatcher:
                     dview.remember(req.block_hashes, _capacity(dview))
                 stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
-            stats.kv_bytes = kv_transfer_bytes(adm.descriptor)
+            stats.kv_bytes = adm.kv_bytes
             prefills = self._candidates(self.prefills, exclude=tried)
             if not prefills:
                 raise RequestError("no healthy prefill worker" + (" left to retry on" if tried else ""),
@@ -289,8 +289,7 @@ class Dispatcher:
         they are skipped. Raises RuntimeError naming the pair that failed; returns the number
         of pairs warmed."""
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values()
-                 if getattr(d, "role", "decode") == "decode"]
+        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"]
         for prefill, decode in pairs:
             rid = f"warm-up:{prefill.worker_id}->{decode.worker_id}"
             try:
@@ -304,11 +303,11 @@ class Dispatcher:
         return len(pairs)
 
     @staticmethod
-    async def _warm_pair(prefill: PrefillHandle, decode: DecodeHandle, rid: str, prompt: list[int],
+    async def _warm_pair(prefill: WorkerHandle, decode: WorkerHandle, rid: str, prompt: list[int],
                          params: SamplingParams) -> None:
         adm = await decode.admit(rid, prompt, params)
         if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
-            adm = await decode.wait_admitted(rid)
+            adm = await _admitted(decode, rid)
         if adm.stage != DecodeStage.LOCAL_PREFILL:
             result = await prefill.submit(PrefillTask(rid, list(prompt), params, [adm.descriptor]))
             if not result.ok:
@@ -328,7 +327,7 @@ class Dispatcher:
         task.add_done_callback(self._cleanup.discard)
 
     @staticmethod
-    async def _abort(decode: DecodeHandle | None, prefill: PrefillHandle | None, rid: str) -> None:
+    async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> None:
         for handle in (prefill, decode):
             if handle is None or not rid:
                 continue
@@ -338,13 +337,15 @@ class Dispatcher:
                 log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, exc)
 
     async def drain_cleanup(self) -> None:
-        """Finish pending cancels and drop pending load calls (the router is stopping)."""
+        """Finish pending cancels, drop pending load calls and stop reading the workers' output
+        streams (the router is stopping)."""
         if self._cleanup:
             await asyncio.gather(*list(self._cleanup), return_exceptions=True)
         calls, self._load_calls = list(self._load_calls.values()), {}
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
 
 
 def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
@@ -356,11 +357,14 @@ def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
     return lps
 
 
-def kv_transfer_bytes(desc) -> int:
-    """Bytes a transfer into `desc` moves: every destination page, K and V, of every layer
-    (the last page moves whole even when the prompt fills it only partly)."""
-    return len(desc.page_ids) * desc.layout.page_bytes * desc.layout.num_layers
+async def _admitted(decode: WorkerHandle, rid: str) -> Admission:
+    """The admission with pages of a request that was QUEUED_FOR_PAGES."""
+    out = await decode.next_output(rid)
+    if not isinstance(out, Admission):
+        raise RequestError(f"request ended on decode worker {decode.worker_id} while queued for pages: "
+                           f"{out.finish_reason}: {out.error or 'no detail'}", grpc.StatusCode.UNAVAILABLE)
+    return out
 
 
 def _capacity(view: WorkerView) -> int:
-    return max(getattr(view.load, "total_pages", 0) if view.load is not None else 0, 1024)
+    return max(view.load.total_pages if view.load is not None else 0, 1024)

@@ -63,14 +63,13 @@ class Frontend:
     @classmethod
     def from_model(cls, model: str | Path, *, hash_page_size: int, max_model_len: int | None = None,
                    limits: FrontendLimits | None = None) -> Frontend:
-        from transformers import AutoTokenizer
-
+        from engine.checkpoint import resolve_model
         from engine.config import ModelConfig
-        from engine.core import resolve_model
+        from router.tokenizer import RouterTokenizer
 
-        model_dir = resolve_model(model)
+        model_dir = resolve_model(model, build=False)
         cfg = ModelConfig.from_pretrained(model_dir)
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        tok = RouterTokenizer(model_dir)
         return cls(model_dir, tok, vocab_size=cfg.vocab_size,
                    max_model_len=max_model_len or cfg.max_position_embeddings,
                    hash_page_size=hash_page_size, limits=limits)
@@ -94,12 +93,12 @@ class Frontend:
         if not self.has_chat_template:
             raise RequestError("messages need a chat template and this model has none: send prompt or prompt_token_ids",
                                grpc.StatusCode.FAILED_PRECONDITION)
-        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         if len(text) > self.limits.max_prompt_chars:
             raise RequestError(f"{field} has {len(text)} characters; at most {self.limits.max_prompt_chars} allowed")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenizer.encode(text)
 
     def tokens_of(self, request) -> tuple[list[int], str]:
         """Token ids of a GenerateRequest's (or TokenizeRequest's) input, and the rendered text."""

@@ -1,38 +1,124 @@
-"""What the router needs of a worker, whatever hosts it: the in-process async fronts
-(`cluster.worker_handles`) or Ray actors (`cluster.ray_handles`). The router sees only these
-protocols and the workers' boundary dataclasses (PrefillTask/Result/Load, Admission,
-DecodeOutput/Load), never a worker object.
+"""`WorkerHandle`: the router's side of one worker, wherever the worker runs. Between the
+dispatcher and the worker's engine there are two objects: this handle, and the `AsyncWorker`
+that hosts the worker (engine/async_worker.py), in this process or as a Ray actor.
 
-Decode request stages seen through a handle: admit -> (QUEUED_FOR_PAGES -> wait_admitted)
--> WAITING_FOR_KV (descriptor for the prefill side) or LOCAL_PREFILL -> stream() until an
-output has finished=True. cancel() at any point ends it and frees its pages.
+The handle reaches the host through a `Remote`: `InProcess` here calls its coroutines directly;
+`cluster.runtime.RayActor` makes the same calls as Ray actor calls. It opens each request on
+one channel of its own and reads the channel's outputs as one stream (one item per engine step
+for all of its requests), sorting them into per-request queues. If that stream fails (the
+worker's process is gone), every open request gets the error, as the dispatcher expects of a
+lost worker.
+
+A decode request through a handle: admit -> an Admission (QUEUED_FOR_PAGES is followed by a
+second Admission once pages are free) -> DecodeOutputs until one is `finished`. A prefill
+request: submit -> its PrefillResult. cancel() at any point ends the request on the worker.
 """
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
-from decode_worker.types import Admission, DecodeLoad, DecodeOutput
+from decode_worker.types import Admission, DecodeOutput
+from engine.load import WorkerLoad
 from engine.sampling_params import SamplingParams
-from prefill_worker.tasks import PrefillLoad, PrefillResult, PrefillTask
+from prefill_worker.types import PrefillResult, PrefillTask
 
 
-class PrefillHandle(Protocol):
-    worker_id: str
-    pool: str
+class Remote(Protocol):
+    """Calls on a worker's `AsyncWorker`: a method's result, or a streaming method's items."""
 
-    async def submit(self, task: PrefillTask) -> PrefillResult: ...
-    async def cancel(self, request_id: str) -> bool: ...
-    async def load(self) -> PrefillLoad: ...
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    def stream(self, method: str, *args: Any) -> AsyncIterator[Any]: ...
 
 
-class DecodeHandle(Protocol):
-    worker_id: str
-    pool: str
-    role: str  # "decode" or "colocated"
+class InProcess:
+    """An `AsyncWorker` in this process (tests, benchmarks, single-process tools)."""
 
-    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission: ...
-    async def wait_admitted(self, request_id: str) -> Admission: ...
-    def stream(self, request_id: str) -> AsyncIterator[DecodeOutput]: ...
-    async def cancel(self, request_id: str) -> bool: ...
-    async def load(self) -> DecodeLoad: ...
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.host, method)(*args, **kwargs)
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        async for item in getattr(self.host, method)(*args):
+            yield item
+
+
+class WorkerHandle:
+    def __init__(self, remote: Remote, worker_id: str, pool: str, role: str) -> None:
+        self.remote, self.worker_id, self.pool, self.role = remote, worker_id, pool, role
+        self.channel = f"{worker_id}-{uuid.uuid4().hex[:12]}"
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    # ---- decode (and colocated) workers ---------------------------------------------------
+    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+        return await self._open(request_id, "admit", request_id, prompt_token_ids, params)
+
+    async def next_output(self, request_id: str) -> Admission | DecodeOutput:
+        """The request's next output (after a QUEUED_FOR_PAGES admission: its Admission with
+        pages, or a finished output if it ended first)."""
+        out = await self._queues[request_id].get()
+        if isinstance(out, BaseException):
+            raise out
+        if out.finished:
+            self._queues.pop(request_id, None)
+        return out
+
+    async def stream(self, request_id: str) -> AsyncIterator[DecodeOutput]:
+        """The request's outputs until its finished one."""
+        try:
+            while True:
+                out = await self.next_output(request_id)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+
+    # ---- prefill workers ------------------------------------------------------------------
+    async def submit(self, task: PrefillTask) -> PrefillResult:
+        """Prefill a request; returns once its first token is sampled (or it failed)."""
+        await self._open(task.request_id, "submit", task)
+        return await self.next_output(task.request_id)
+
+    # ---- any worker -----------------------------------------------------------------------
+    async def cancel(self, request_id: str) -> bool:
+        self._queues.pop(request_id, None)  # whatever still comes for it is dropped
+        return await self.remote.call("call", "cancel", request_id)
+
+    async def load(self) -> WorkerLoad:
+        return await self.remote.call("load")
+
+    async def _open(self, request_id: str, method: str, *args: Any) -> Any:
+        """Call `method(*args)` on the worker, opening `request_id`'s outputs on this handle."""
+        self._queues[request_id] = asyncio.Queue()
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        try:
+            return await self.remote.call("call", method, *args, channel=self.channel)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+
+    async def _read(self) -> None:
+        try:
+            async for outs in self.remote.stream("outputs", self.channel):
+                for out in outs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+            raise RuntimeError(f"worker {self.worker_id}'s output stream ended")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            for q in list(self._queues.values()):
+                q.put_nowait(exc)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)

@@ -49,14 +49,12 @@ class WorkerCollector(Collector):
             fams["worker_healthy"].add_metric(lv, 1.0 if v.healthy else 0.0)
             if ld is None:
                 continue
-            total, free = getattr(ld, "total_pages", 0), getattr(ld, "free_pages", 0)
-            fams["kv_pages_total"].add_metric(lv, total)
-            fams["kv_pages_free"].add_metric(lv, free)
-            fams["kv_pages_used"].add_metric(lv, total - free)
-            fams["worker_running_requests"].add_metric(lv, getattr(ld, "running_requests", 0))
-            fams["worker_waiting_requests"].add_metric(
-                lv, getattr(ld, "waiting_requests", getattr(ld, "queued_requests", 0)))
-            fams["prefix_cache_hit_rate"].add_metric(lv, getattr(ld, "prefix_cache_hit_rate", 0.0))
+            fams["kv_pages_total"].add_metric(lv, ld.total_pages)
+            fams["kv_pages_free"].add_metric(lv, ld.free_pages)
+            fams["kv_pages_used"].add_metric(lv, ld.total_pages - ld.free_pages)
+            fams["worker_running_requests"].add_metric(lv, ld.running_requests)
+            fams["worker_waiting_requests"].add_metric(lv, ld.waiting_requests)
+            fams["prefix_cache_hit_rate"].add_metric(lv, ld.prefix_cache_hit_rate)
         yield from fams.values()
 
 
@@ -78,7 +76,7 @@ class GcCollector(Collector):
         procs: list[tuple[str, GcPauseStats]] = [("router", gc_pauses().stats())]
         if self._views is not None:
             procs += [(v.worker_id, v.load.gc) for v in list(self._views().values())
-                      if getattr(v.load, "gc", None) is not None]
+                      if v.load is not None and v.load.gc is not None]
         for name, st in procs:
             for gen in range(3):
                 count.add_metric([name, str(gen)], st.collections[gen])

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.load import WorkerLoad
+
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
@@ -24,7 +26,7 @@ class WorkerView:
     worker_id: str
     pool: str
     role: str
-    load: object | None = None        # PrefillLoad | DecodeLoad, refreshed in the background
+    load: WorkerLoad | None = None    # the worker's latest report, refreshed in the background
     healthy: bool = True
     error: str = ""
     inflight: int = 0                 # requests placed here by this router, not finished
@@ -34,11 +36,11 @@ class WorkerView:
 
     @property
     def free_pages(self) -> int:
-        return getattr(self.load, "free_pages", 0) if self.load is not None else 0
+        return self.load.free_pages if self.load is not None else 0
 
     @property
     def queued_tokens(self) -> int:
-        reported = getattr(self.load, "queued_tokens", 0) if self.load is not None else 0
+        reported = self.load.queued_tokens if self.load is not None else 0
         return max(reported, self.inflight_tokens)
 
     def matched_pages(self, hashes: Sequence[int]) -> int:

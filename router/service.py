@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from engine.load import WorkerLoad
 from router.dispatch import Chunk, Dispatcher, RequestStats
 from router.frontend import Frontend, RequestError
 from router.metrics import RouterMetrics, log_request
@@ -162,16 +163,13 @@ class InferenceService(pb_grpc.InferenceServicer):
         await self.dispatcher.refresh_loads()
         workers = []
         for v in self.dispatcher.views.values():
-            ld = v.load
+            ld = v.load or WorkerLoad()
             workers.append(pb.WorkerStatus(
                 worker_id=v.worker_id, pool=v.pool, role=v.role, healthy=v.healthy, error=v.error,
-                free_pages=getattr(ld, "free_pages", 0), total_pages=getattr(ld, "total_pages", 0),
-                running_requests=getattr(ld, "running_requests", 0),
-                waiting_requests=getattr(ld, "waiting_requests", getattr(ld, "queued_requests", 0)),
-                queued_tokens=getattr(ld, "queued_tokens", 0),
-                transferring_requests=getattr(ld, "transferring_requests", getattr(ld, "waiting_for_kv", 0)),
-                tokens_per_s=getattr(ld, "tokens_per_s", 0.0),
-                prefix_cache_hit_rate=getattr(ld, "prefix_cache_hit_rate", 0.0), requests_placed=v.placed))
+                free_pages=ld.free_pages, total_pages=ld.total_pages, running_requests=ld.running_requests,
+                waiting_requests=ld.waiting_requests, queued_tokens=ld.queued_tokens,
+                transferring_requests=ld.transferring_requests, tokens_per_s=ld.tokens_per_s,
+                prefix_cache_hit_rate=ld.prefix_cache_hit_rate, requests_placed=v.placed))
         return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name,
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,

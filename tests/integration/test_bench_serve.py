@@ -15,8 +15,8 @@ from bench.serve.metrics import summarize
 from bench.serve.report import format_table, write_json
 from bench.serve.workloads import Workload, WorkloadRequest, build_workload, dataset_path, materialize_prompts
 from cluster.cli import main as pdcluster_main
-from tests.integration.test_metrics import (kv_bytes_moved, metrics_cluster, metrics_router,  # noqa: F401 (fixtures)
-                                            per_worker, scrape, value)
+from tests.integration.router_harness import kv_bytes_moved, per_worker, scrape, value
+from tests.integration.test_metrics import metrics_cluster, metrics_router  # noqa: F401 (fixtures)
 
 
 def test_random_workload_end_to_end(metrics_cluster, tmp_path):

@@ -157,17 +157,33 @@ def test_cancel_and_deadline_free_pages_on_every_worker(cluster):
 
 def test_every_process_freezes_its_startup_heap_and_reports_gc_pauses(cluster):
     """Router and workers each exempt their startup objects (torch, Ray, gRPC, the model: a
-    full collection over them stalled every stream for ~160 ms) and export their collections."""
-    from tests.integration.test_metrics import scrape, value
+    full collection over them stalled every stream for ~160 ms) and export their collections.
+    The router's process holds no torch: ~80,000 objects at its start against ~340,000."""
+    from tests.integration.router_harness import scrape, value
 
     run_streams(cluster, random_prompts([20] * 4, 2048, seed=5))
     time.sleep(0.3)  # a load refresh after the streams
     snap = scrape(cluster.metrics_url)
-    for proc in ("router", "prefill-0", "decode-0"):
-        assert value(snap, "pdcluster_gc_frozen_objects", process=proc) > 100_000, proc
+    for proc, startup_objects in (("router", 50_000), ("prefill-0", 100_000), ("decode-0", 100_000)):
+        assert value(snap, "pdcluster_gc_frozen_objects", process=proc) > startup_objects, proc
         young = value(snap, "pdcluster_gc_collections_total", process=proc, generation="0")
         assert young > 0, f"{proc}: no collection counted"
         assert 0 < value(snap, "pdcluster_gc_max_pause_seconds", process=proc) < 5.0, proc
+
+
+def test_the_router_process_never_loads_torch_or_the_model(cluster):
+    """The router's process places requests and unpickles every worker output (admissions,
+    first tokens with logprobs, decode outputs, loads) without the engine's heavy half."""
+    import ray
+
+    s = stub(cluster)
+    list(s.Generate(pb.GenerateRequest(prompt="The decode pool", sampling=S(max_tokens=4, temperature=0, logprobs=2)),
+                    timeout=30))
+    run_streams(cluster, random_prompts([20] * 4, 2048, seed=6))
+    heavy = ["torch", "transformers", "engine.core", "engine.model", "engine.model_runner", "engine.attention",
+             "engine.scheduler", "kv_transfer", "prefill_worker.worker", "decode_worker.worker"]
+    assert ray.get(cluster._router.loaded_modules.remote(heavy), timeout=30) == []
+    assert "router.dispatch" in ray.get(cluster._router.loaded_modules.remote(["router"]), timeout=30)
 
 
 def test_health_reflection_and_loopback_only(cluster):

@@ -10,41 +10,17 @@ import json
 import logging
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.integration.test_router_inprocess import Loop, collect, local_pair, stub
+from tests.integration.router_harness import (Loop, close, collect, kv_bytes_moved, local_pair, per_worker, scrape,
+                                              stub, value)
 
 S = pb.SamplingParams
 LONG = 200  # tokens of the long stream: long enough that a 0.1 s load refresh sees its pages
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(samples, name, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def per_worker(samples, name) -> dict[str, float]:
-    return {dict(k[1])["worker"]: v for k, v in samples.items() if k[0] == name}
-
-
-def kv_bytes_moved(decode_worker, prompt_lens) -> int:
-    """KV bytes the prefill side wrote into the decode worker's pages for these prompts, from
-    the decode worker's own KV tensors: every page a prompt occupies, K and V, every layer."""
-    layers = decode_worker.core.runner.kv_caches
-    page_bytes_all_layers = sum(layer[0].nbytes for layer in layers)
-    page_size = layers[0].shape[2]
-    return sum(-(-n // page_size) * page_bytes_all_layers for n in prompt_lens)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +34,7 @@ def metrics_cluster(tiny_model):
     loop.run(server.start())
     yield server, prefill, decode
     loop.run(server.stop(1.0))
-    ph.close(), dh.close()
+    close(ph, dh)
     loop.close()
 
 

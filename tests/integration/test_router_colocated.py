@@ -8,16 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.actors import BIG_THRESHOLD
-from cluster.worker_handles import LocalDecodeHandle
-from decode_worker import AsyncDecodeWorker, DecodeConfig, DecodeWorker
-from kv_transfer.local import LocalHub
+from decode_worker import DecodeWorker
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.conftest import register_engine
 from tests.hf_reference import random_prompts
-from tests.integration.test_router_health import hold_engine_thread
-from tests.integration.test_router_inprocess import ENGINE, Loop, collect, stub
+from tests.integration.router_harness import ENGINE, Loop, close, collect, hold_engine_thread, in_process, stub
 
 S = pb.SamplingParams
 
@@ -25,20 +20,17 @@ S = pb.SamplingParams
 @pytest.fixture
 def colocated(tiny_model, request):
     model = tiny_model("llama")
-    hub, workers, handles = LocalHub(), [], []
+    workers, handles = [], []
     for i in range(2):
-        w = DecodeWorker(model, transport="local", receiver_kwargs={"hub": hub}, page_size=16, num_pages=64,
-                         config=DecodeConfig(local_prefill_threshold=BIG_THRESHOLD), **ENGINE)
-        register_engine(w.core)
+        w = DecodeWorker(model, transport=None, page_size=16, num_pages=64, **ENGINE)  # colocated: no connector
         workers.append(w)
-        handles.append(LocalDecodeHandle(AsyncDecodeWorker(w), f"colocated-{i}", "colocated", role="colocated"))
+        handles.append(in_process(w, f"colocated-{i}", "colocated"))
     loop = Loop()
     server = build_router(model, [], handles, max_model_len=256, policy=request.param)
     loop.run(server.start())
     yield server, workers
     loop.run(server.stop(1.0))
-    for h in handles:
-        h.close()
+    close(*handles)
     loop.close()
 
 
@@ -77,7 +69,7 @@ def test_a_burst_of_prompts_is_spread_over_colocated_workers(colocated):
     with ThreadPoolExecutor(6) as pool:
         placed = sorted(w for w, _ in pool.map(lambda p: ask(server, p), prompts))
     for t in busy:
-        t.join()
+        t.result(10)
     assert placed == ["colocated-0"] * 3 + ["colocated-1"] * 3
     for w in workers:
         assert w.core.num_free_pages == w.core.num_pages

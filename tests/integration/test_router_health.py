@@ -9,8 +9,6 @@ prefill worker" because a 2 s load timeout during a long prefill step marked the
 worker unhealthy."""
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import grpc
@@ -19,8 +17,8 @@ import pytest
 from kv_transfer import TransferConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.integration.test_metrics import per_worker, scrape
-from tests.integration.test_router_inprocess import Loop, collect, local_pair, stub
+from tests.integration.router_harness import (ENGINE, Loop, close, collect, hold_engine_thread, in_process, local_pair,
+                                              per_worker, scrape, stub)
 
 S = pb.SamplingParams
 
@@ -36,15 +34,8 @@ def router(tiny_model, request):
     loop.run(server.start())
     yield server, ph, (prefill, decode)
     loop.run(server.stop(1.0))
-    ph.close(), dh.close()
+    close(ph, dh)
     loop.close()
-
-
-def hold_engine_thread(handle, seconds: float) -> threading.Thread:
-    """Keep a worker's engine loop thread busy for `seconds`, as one long step would."""
-    t = threading.Thread(target=lambda: asyncio.run(handle.front._run(lambda: time.sleep(seconds))))
-    t.start()
-    return t
 
 
 def request(n: int = 20) -> pb.GenerateRequest:
@@ -57,7 +48,7 @@ def test_busy_prefill_worker_is_late_not_dead(router):
     busy = hold_engine_thread(ph, 1.2)
     time.sleep(0.5)  # several refreshes time out while the worker is busy
     ids, _, last = collect(stub(server), request())  # before the fix: UNAVAILABLE "no healthy prefill worker"
-    busy.join()
+    busy.result(10)
     assert len(ids) == 4 and last.finish_reason == "length"
     views = server.service.dispatcher.views
     assert views["prefill-0"].healthy and views["prefill-0"].error == ""
@@ -77,7 +68,7 @@ def test_silent_prefill_worker_leaves_placement_then_returns(router):
     with pytest.raises(grpc.RpcError) as err:
         collect(stub(server), request())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()
-    busy.join()
+    busy.result(10)
     time.sleep(0.3)  # its pending load answers: back in placement
     assert view.healthy
     ids, _, last = collect(stub(server), request(30))
@@ -98,7 +89,7 @@ def test_prefill_queue_longer_than_the_transfer_deadline_is_not_a_failure(router
     busy = hold_engine_thread(ph, 1.2)  # three transfer deadlines of queueing
     t0 = time.monotonic()
     ids, _, last = collect(stub(server), request())
-    busy.join()
+    busy.result(10)
     assert len(ids) == 4 and last.finish_reason == "length"
     assert time.monotonic() - t0 > 1.0  # it did wait behind the busy step
     time.sleep(0.2)
@@ -114,17 +105,15 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
     cluster, to the worker stuck in a long prefill)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.worker_handles import LocalDecodeHandle
-    from decode_worker import AsyncDecodeWorker, DecodeWorker
-    from tests.conftest import register_engine
-    from tests.integration.test_router_inprocess import ENGINE, local_pair
+    from decode_worker.worker import DecodeWorker
+    from kv_transfer.local import LocalHub
 
     model = tiny_model("llama")
-    prefill, decode0, ph, dh0 = local_pair(model, 64)
+    hub = LocalHub()
+    prefill, decode0, ph, dh0 = local_pair(model, 64, hub=hub)
     decode1 = DecodeWorker(model, transport="local", transfer_config=TransferConfig(deadline_s=20),
-                           receiver_kwargs={"hub": decode0.receiver.hub}, page_size=16, num_pages=64, **ENGINE)
-    register_engine(decode1.core)
-    dh1 = LocalDecodeHandle(AsyncDecodeWorker(decode1), "decode-1")
+                           transport_kwargs={"hub": hub}, page_size=16, num_pages=64, **ENGINE)
+    dh1 = in_process(decode1, "decode-1", "decode")
     loop = Loop()
     server = build_router(model, [ph], [dh0, dh1], max_model_len=256)
     loop.run(server.start())
@@ -133,7 +122,7 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
         with ThreadPoolExecutor(6) as pool:
             lasts = [f.result()[2] for f in [pool.submit(collect, stub(server), request(20 + i)) for i in range(6)]]
         for t in busy:
-            t.join()
+            t.result(10)
         placed = sorted(last.placement.decode_worker for last in lasts)
         assert placed == ["decode-0"] * 3 + ["decode-1"] * 3
         time.sleep(0.2)
@@ -141,6 +130,5 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
             assert w.core.num_free_pages == w.core.num_pages
     finally:
         loop.run(server.stop(1.0))
-        for h in (ph, dh0, dh1):
-            h.close()
+        close(ph, dh0, dh1)
         loop.close()

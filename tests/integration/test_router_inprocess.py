@@ -5,8 +5,6 @@ and deadline free the pages on both workers, a failed prefill is retried on anot
 health and reflection answer."""
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,27 +13,22 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.worker_handles import LocalDecodeHandle, LocalPrefillHandle
-from decode_worker import AsyncDecodeWorker, DecodeWorker
+from engine.load import WorkerLoad
 from engine.sampling_params import SamplingParams
-from kv_transfer.config import TransferConfig
-from kv_transfer.local import LocalHub
-from prefill_worker import AsyncPrefillWorker, PrefillWorker
 from proto.pdcluster.v1 import inference_pb2 as pb
-from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 from router.app import build_router
-from tests.conftest import register_engine
 from tests.hf_reference import random_prompts
+from tests.integration.router_harness import Loop, close, collect, local_pair, stub, wait_free
 
-ENGINE = dict(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256)
 S = pb.SamplingParams
 
 
 class FlakyPrefill:
-    """A prefill handle whose worker 'dies' before the first token."""
+    """A fault-injecting stand-in for a prefill worker's handle, named so: its worker 'dies'
+    before the first token."""
 
     def __init__(self, worker_id: str) -> None:
-        self.worker_id, self.pool, self.calls = worker_id, "prefill", 0
+        self.worker_id, self.pool, self.role, self.calls = worker_id, "prefill", "prefill", 0
 
     async def submit(self, task):
         self.calls += 1
@@ -45,38 +38,10 @@ class FlakyPrefill:
         return False
 
     async def load(self):
-        from prefill_worker.tasks import PrefillLoad
-        return PrefillLoad(0, 0, 0, 0, 0, 64, 64, 0.0)
+        return WorkerLoad(free_pages=64, total_pages=64)
 
-
-class Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-def local_pair(model, num_pages: int, cfg: TransferConfig | None = None):
-    """One prefill and one decode worker over a local KV hub, page-leak checked, and their
-    in-process handles."""
-    hub = LocalHub()
-    cfg = cfg or TransferConfig(deadline_s=20)
-    prefill = PrefillWorker(model, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
-                            page_size=16, num_pages=num_pages, **ENGINE)
-    decode = DecodeWorker(model, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
-                          page_size=16, num_pages=num_pages, **ENGINE)
-    for w in (prefill, decode):
-        register_engine(w.core)
-    ph = LocalPrefillHandle(AsyncPrefillWorker(prefill), "prefill-0")
-    dh = LocalDecodeHandle(AsyncDecodeWorker(decode), "decode-0")
-    return prefill, decode, ph, dh
+    async def close(self):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +58,7 @@ def router(tiny_model):
     yield servers
     for s in (main, tiny_queue, retrying):
         loop.run(s.stop(1.0))
-    ph.close(), dh.close()
+    close(ph, dh)
     loop.close()
 
 
@@ -101,24 +66,6 @@ async def _start(model, prefills, decodes, **kw):
     server = build_router(model, prefills, decodes, **kw)
     await server.start()
     return server
-
-
-def stub(server):
-    return pb_grpc.InferenceStub(grpc.insecure_channel(server.address))
-
-
-def collect(stub_, req, timeout=60):
-    chunks = list(stub_.Generate(req, timeout=timeout))
-    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
-
-
-def wait_free(stub_, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = stub_.ClusterStatus(pb.ClusterStatusRequest())
-        if all(w.free_pages == w.total_pages for w in st.workers) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.05)
 
 
 def test_concurrent_greedy_streams_match_llm(router, make_llm):

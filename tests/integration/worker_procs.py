@@ -46,14 +46,15 @@ class Host:
             from prefill_worker import PrefillWorker
 
             self.worker = PrefillWorker(model, transport=transport, transfer_config=cfg, **engine)
-            if layer_delay_s:
-                send = self.worker.sender.send_layer
+            if layer_delay_s:  # fault injection: a slow sender
+                sender = self.worker.connector.sender
+                send = sender.send_layer
 
                 def slow_send(rid, layer):
                     send(rid, layer)
                     time.sleep(layer_delay_s)
 
-                self.worker.sender.send_layer = slow_send
+                sender.send_layer = slow_send
             return {}
         from decode_worker import DecodeConfig, DecodeWorker, TransferFailurePolicy
 
@@ -64,8 +65,7 @@ class Host:
     def cmd_submit(self, request_id, prompt, params, descriptors):
         from prefill_worker import PrefillTask
 
-        self.worker.submit(PrefillTask.from_wire(request_id, prompt, _params(params),
-                                                 [base64.b64decode(d) for d in descriptors]))
+        self.worker.submit(PrefillTask(request_id, prompt, _params(params), [base64.b64decode(d) for d in descriptors]))
         return {}
 
     def cmd_admit(self, request_id, prompt, params):
@@ -77,7 +77,7 @@ class Host:
 
     def cmd_stage(self, request_id):
         stage = self.worker.stage(request_id)
-        status = self.worker.receiver.status(request_id)
+        status = self.worker.connector.receiver.status(request_id)
         return {"stage": stage.name if stage else None, "transfer": status.state.name if status else None}
 
     def cmd_load(self):
@@ -95,16 +95,16 @@ class Host:
             for r in self.worker.step():
                 self.emit(event="first_token", request_id=r.request_id, token=r.first_token, ok=r.ok, error=r.error)
             return
-        res = self.worker.step()
-        for adm in res.admissions:
-            self.emit(event="admission", request_id=adm.request_id, descriptor=_b64(adm.descriptor))
-        for o in res.outputs:
+        for o in self.worker.step():
+            if not hasattr(o, "new_token_ids"):  # an Admission: a queued request got its pages
+                self.emit(event="admission", request_id=o.request_id, descriptor=_b64(o.descriptor))
+                continue
             self.emit(event="output", request_id=o.request_id, new=o.new_token_ids, source=o.source.value,
                       finished=o.finished, reason=o.finish_reason, error=o.error)
 
 
-def _b64(desc) -> str | None:
-    return None if desc is None else base64.b64encode(desc.to_bytes()).decode()
+def _b64(desc: bytes | None) -> str | None:
+    return None if desc is None else base64.b64encode(desc).decode()
 
 
 def main() -> int:

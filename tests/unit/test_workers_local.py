@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from decode_worker import DecodeConfig, DecodeStage, DecodeWorker, TokenSource, TransferFailurePolicy
+from decode_worker import Admission, DecodeConfig, DecodeStage, DecodeWorker, TokenSource, TransferFailurePolicy
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from kv_transfer.local import LocalHub
@@ -22,9 +22,9 @@ ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8)
 def make_pair(model_dir, *, decode_pages=64, prefill_pages=64, config=None, deadline_s=10.0, begin_timeout_s=60.0):
     hub = LocalHub()
     cfg = TransferConfig(deadline_s=deadline_s, begin_timeout_s=begin_timeout_s)
-    prefill = PrefillWorker(model_dir, transport="local", transfer_config=cfg, sender_kwargs={"hub": hub},
+    prefill = PrefillWorker(model_dir, transport="local", transfer_config=cfg, transport_kwargs={"hub": hub},
                             page_size=16, num_pages=prefill_pages, **ENGINE)
-    decode = DecodeWorker(model_dir, transport="local", transfer_config=cfg, receiver_kwargs={"hub": hub},
+    decode = DecodeWorker(model_dir, transport="local", transfer_config=cfg, transport_kwargs={"hub": hub},
                           config=config, page_size=32, num_pages=decode_pages, detokenize=False, **ENGINE)
     register_engine(prefill.core)
     register_engine(decode.core)
@@ -57,10 +57,10 @@ class Driver:
         for r in self.prefill.step():
             if r.first_token is not None:
                 self.first[r.request_id] = r.first_token
-        res = self.decode.step()
-        for adm in res.admissions:
-            self._route(adm)
-        for out in res.outputs:
+        for out in self.decode.step():
+            if isinstance(out, Admission):
+                self._route(out)
+                continue
             self.tokens[out.request_id].extend((out.source, t) for t in out.new_token_ids)
             if out.finished:
                 self.finished[out.request_id] = out.finish_reason
@@ -191,20 +191,21 @@ def test_cancel_while_transfer_in_flight_fails_sender(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     adm = decode.admit("x", prompt, params)
     prefill.submit(PrefillTask("x", prompt, params, [adm.descriptor]))
-    real_send = prefill.sender.send_layer
+    sender = prefill.connector.sender
+    real_send = sender.send_layer
 
     def send_then_cancel(rid, layer):
         real_send(rid, layer)
         if layer == 0:
             decode.cancel("x")  # mid-forward: the receiver fails the transfer
 
-    prefill.sender.send_layer = send_then_cancel
+    sender.send_layer = send_then_cancel
     results = []
     for _ in range(10):
         results += prefill.step()
         decode.step()
     assert results and not results[0].ok
-    assert prefill.sender.status("x").state.name == "FAILED"
+    assert sender.status("x").state.name == "FAILED"
     assert_no_pages_held(prefill, decode)
     prefill.close(), decode.close()
 
@@ -231,36 +232,62 @@ def test_transfer_failure_policy(tiny_model, make_llm, policy):
     prefill.close(), decode.close()
 
 
-def test_async_fronts_stream_tokens(tiny_model, make_llm):
-    """The asyncio fronts: loop threads own the workers; tokens stream per request."""
+def test_async_workers_stream_tokens_per_channel(tiny_model, make_llm):
+    """The asyncio host (engine.async_worker): engine threads own the workers, woken by calls and
+    by the connector; a request's outputs come on the channel it was opened on."""
     import asyncio
 
-    from decode_worker import AsyncDecodeWorker
-    from prefill_worker import AsyncPrefillWorker
+    from engine.async_worker import AsyncWorker
 
     model = tiny_model("llama")
     prefill, decode = make_pair(model, decode_pages=8)
-    pf, dc = AsyncPrefillWorker(prefill), AsyncDecodeWorker(decode)
     prompts = random_prompts([30, 90, 90, 90], 256, seed=8)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
 
-    async def one(rid, prompt):
-        adm = await dc.admit(rid, prompt, params)
-        adm = await dc.wait_admitted(rid)  # the last one waits for pages
-        first = await pf.submit(PrefillTask(rid, prompt, params, [adm.descriptor]))
-        outs = [o async for o in dc.stream(rid)]
-        assert outs[0].new_token_ids == [first.first_token] and outs[0].source == TokenSource.PREFILL_WORKER
-        return [t for o in outs for t in o.new_token_ids]
-
     async def main():
-        return await asyncio.wait_for(asyncio.gather(*(one(f"r{i}", p) for i, p in enumerate(prompts))), 60)
+        pf, dc = AsyncWorker(prefill), AsyncWorker(decode)
+        queues = {(h, f"r{i}"): asyncio.Queue() for h in (pf, dc) for i in range(len(prompts))}
 
-    try:
-        got = asyncio.run(main())
-        assert got == [o.token_ids for o in make_llm(model, page_size=16, num_pages=64).generate(prompts, params)]
-        deadline = time.monotonic() + 10
-        while prefill.num_transferring and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        pf.close(), dc.close()
+        async def pump(host):
+            async for outs in host.outputs("test"):
+                for o in outs:
+                    queues[host, o.request_id].put_nowait(o)
+
+        pumps = [asyncio.create_task(pump(h)) for h in (pf, dc)]
+
+        async def one(rid, prompt):
+            adm = await dc.call("admit", rid, prompt, params, channel="test")
+            if adm.stage == DecodeStage.QUEUED_FOR_PAGES:  # the last one waits for pages
+                adm = await queues[dc, rid].get()
+            assert adm.descriptor is not None
+            await pf.call("submit", PrefillTask(rid, prompt, params, [adm.descriptor]), channel="test")
+            first = await queues[pf, rid].get()
+            outs = []
+            while not outs or not outs[-1].finished:
+                outs.append(await queues[dc, rid].get())
+            assert first.ok and outs[0].new_token_ids == [first.first_token]
+            assert outs[0].source == TokenSource.PREFILL_WORKER
+            return [t for o in outs for t in o.new_token_ids]
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(f"r{i}", p) for i, p in enumerate(prompts))), 60)
+        finally:
+            for t in pumps:
+                t.cancel()
+            done = await asyncio.to_thread(_settled, pf, dc)
+            pf.close(), dc.close()
+            assert done, "requests still open on a worker"
+
+    got = asyncio.run(main())
+    assert got == [o.token_ids for o in make_llm(model, page_size=16, num_pages=64).generate(prompts, params)]
     assert_no_pages_held(prefill, decode)
+
+
+def _settled(*hosts, timeout_s: float = 10.0) -> bool:
+    """Every host's worker has no open request (transfers released), checked on its own thread."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(h.engine.submit(lambda h=h: h.worker.has_requests).result(10) for h in hosts):
+            return True
+        time.sleep(0.01)
+    return False

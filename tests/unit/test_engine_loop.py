@@ -1,5 +1,5 @@
-"""engine.loop_thread: the engine thread runs with the process's intra-op thread count, in
-OpenMP too (oneDNN reads OpenMP's per-thread setting, which a new thread does not inherit)."""
+"""engine.loop: the engine thread runs with the process's intra-op thread count, in OpenMP too
+(oneDNN reads OpenMP's per-thread setting, which a new thread does not inherit)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine.loop_thread import EngineLoopThread
+from engine.loop import EngineLoop
 
 
 def _openmp_max_threads() -> int:
@@ -22,8 +22,14 @@ def _openmp_max_threads() -> int:
 
 
 class _Idle:
+    """A worker with nothing to do (this test only asks about the thread itself)."""
+
     has_work = False
-    has_requests = False
+
+    class core:
+        @staticmethod
+        def set_wakeup(fn) -> None:
+            pass
 
     def close(self) -> None:
         pass
@@ -33,8 +39,8 @@ class _Idle:
 def test_engine_thread_uses_the_process_thread_count():
     assert torch.get_num_threads() == 1  # tests/conftest.py
     torch.zeros(4).add_(1)  # make sure OpenMP is loaded
-    loop = EngineLoopThread(_Idle(), name="test-engine")
+    loop = EngineLoop(_Idle(), name="test-engine")
     try:
-        assert asyncio.run(loop._run(_openmp_max_threads)) == 1
+        assert asyncio.run(loop.run(_openmp_max_threads)) == 1
     finally:
         loop.close()

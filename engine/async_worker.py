@@ -1,0 +1,128 @@
+"""`AsyncWorker`: the asyncio face of one worker (prefill, decode or colocated). A Ray actor is
+this class itself (`ray.remote(AsyncWorker)`, cluster/), and an in-process router calls it
+directly; either way the router reaches it through one generic mechanism (router/handles.py).
+
+    host = AsyncWorker(lambda: DecodeWorker(model, transport="nixl"))
+    adm = await host.call("admit", rid, prompt_ids, params, channel="router-1")
+    async for outputs in host.outputs("router-1"): ...      # lists, one per engine step
+
+`call(method, *args)` runs `worker.<method>(*args)` on the engine thread (engine/loop.py) for
+the methods the worker lists in `CALLS`. A call that names a `channel` opens a request (its
+first argument, or the request id of a task, is the request id): every output of that request
+from then on goes to the channel's queue, in step order, until its final output (`finished`).
+`outputs(channel)` yields what is queued, a step's worth at a time: one queue per channel, one
+item per step for all of a channel's requests.
+
+Every request a worker accepts ends with exactly one finished output (done, failed or
+aborted), so a channel's routes never outlive their requests.
+
+This module and engine/loop.py import no torch: unpickling a Ray handle of this actor class
+imports them, in the router's process too.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.heap import freeze_startup_heap, gc_pauses
+from engine.load import WorkerLoad
+from engine.loop import EngineLoop
+
+
+class AsyncWorker:
+    def __init__(self, worker: Any, name: str = "worker") -> None:
+        """`worker`: a worker object, or a callable that builds one in this process (what a
+        Ray actor is given: the worker's own process must create its engine)."""
+        gc_pauses()  # time this process's garbage collections from the start
+        self.worker = worker if hasattr(worker, "step") else worker()
+        self.calls = frozenset(self.worker.CALLS)
+        self._routes: dict[str, str] = {}  # request id -> channel, until its finished output
+        self._channels: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self.engine = EngineLoop(self.worker, f"{name}-engine", self._on_step)
+
+    # ---- what callers use -----------------------------------------------------------------
+    async def call(self, method: str, *args, channel: str | None = None) -> Any:
+        if method not in self.calls:
+            raise ValueError(f"method must be one of {sorted(self.calls)}, got {method!r}")
+        fn = getattr(self.worker, method)
+        if channel is None:
+            return await self.engine.run(lambda: fn(*args))
+        rid = _request_id(args[0])
+        self._bind_loop()
+        self._queue(channel)
+        with self._lock:
+            self._routes[rid] = channel
+        try:
+            return await self.engine.run(lambda: fn(*args))
+        except BaseException:
+            with self._lock:
+                if self._routes.get(rid) == channel:
+                    del self._routes[rid]
+            raise
+
+    async def outputs(self, channel: str) -> AsyncIterator[list]:
+        """Every output of the requests opened on `channel`, in lists of what is ready."""
+        self._bind_loop()
+        q = self._queue(channel)
+        while True:
+            batch = await q.get()
+            while not q.empty():
+                batch += q.get_nowait()
+            yield batch
+
+    async def load(self) -> WorkerLoad:
+        load = await self.engine.run(self.worker.load)
+        load.gc = gc_pauses().stats()
+        return load
+
+    async def ready(self) -> int:
+        """Answers once the engine thread runs; freezes the startup heap (engine/heap.py)."""
+        await self.load()
+        freeze_startup_heap()
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _on_step(self, outputs: list) -> None:
+        if not outputs:
+            return
+        by_channel: dict[str, list] = {}
+        with self._lock:
+            for out in outputs:
+                channel = self._routes.get(out.request_id)
+                if channel is None:
+                    continue
+                if out.finished:
+                    del self._routes[out.request_id]
+                by_channel.setdefault(channel, []).append(out)
+        if by_channel and self._loop is not None:
+            # One wake-up of the event loop per step, not one per output.
+            self._loop.call_soon_threadsafe(self._deliver, by_channel)
+
+    def _deliver(self, by_channel: dict[str, list]) -> None:
+        for channel, outs in by_channel.items():
+            self._queue(channel).put_nowait(outs)
+
+    def _queue(self, channel: str) -> asyncio.Queue:
+        q = self._channels.get(channel)
+        if q is None:
+            q = self._channels[channel] = asyncio.Queue()
+        return q
+
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+
+def _request_id(first_arg: Any) -> str:
+    return first_arg if isinstance(first_arg, str) else first_arg.request_id

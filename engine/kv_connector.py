@@ -1,0 +1,106 @@
+"""The KV connector contract: how a request's KV cache leaves this engine for another worker, or
+arrives here from one. An engine owns at most one connector (a colocated engine has none); the
+prefill, decode and colocated workers run the same `EngineCore` step loop and differ in their
+connector and their policies. `kv_transfer.connector` implements it over NIXL, gRPC or local
+transports; the engine never imports a transport.
+
+Everything here is called on the engine's thread, except the wake-up, which the connector calls
+from whatever thread saw the event.
+
+Set-up
+  register_kv_caches(caches) the engine's KV tensors, once, before any request (per layer
+                             [num_pages, 2, page_size, kv_heads, head_dim]): a transport registers
+                             them where it needs to and never copies them
+Scheduler side: what moves, and when pages may be freed
+  check(req)                 a request with `kv_destinations` is valid for this connector
+                             (raises ValueError naming what is wrong; nothing is kept)
+  start_save(req) -> error   the request's last prompt chunk runs this step: start its send
+                             (None, or why it could not start: the request then fails)
+  prepare_receive(req) -> D  pages are allocated for a request whose prompt KV comes from
+                             elsewhere: publish where to write them (D travels to the sender)
+  request_finished(req) -> bool
+                             the request leaves the engine (finished, aborted or failed): True if
+                             the connector still needs its pages (a send or a receive in flight).
+                             The engine then holds them until an event for the request arrives.
+  cancel(req)                the owner gave up on a request whose pages are held: end its transfer
+                             (the pages come back with its event)
+Worker side: moving bytes, and what happened
+  save_layer(layer)          during the forward, once layer's K/V of this step is written: send it
+                             for every save started this step
+  finish_save(req, token) -> error
+                             after sampling: the first token and the prompt length follow the KV
+  take_events() -> [KVEvent] what happened since the last call; the engine drains them at the
+                             start of every step
+  set_wakeup(fn)             fn() is called after an event is queued, so the engine loop wakes for
+                             it: nothing outside the connector polls
+
+Events
+  RECEIVED(req, first_token) every layer of the prompt's KV is in req's pages
+  FAILED(req, error)         the request's transfer failed; nothing writes into its pages any more
+  RELEASED(req)              a send ended (done or failed); nothing reads its pages any more
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+class KVEventKind(enum.Enum):
+    RECEIVED = "received"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+@dataclass(slots=True, frozen=True)
+class KVEvent:
+    kind: KVEventKind
+    request: Request  # the very object the connector was given: a stale event never matches a new request
+    first_token: int | None = None
+    error: str | None = None
+
+
+class KVConnector(ABC):
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list) -> None: ...
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    @abstractmethod
+    def check(self, req: Request) -> None: ...
+
+    @abstractmethod
+    def start_save(self, req: Request) -> str | None: ...
+
+    @abstractmethod
+    def prepare_receive(self, req: Request) -> object: ...
+
+    @abstractmethod
+    def request_finished(self, req: Request) -> bool: ...
+
+    @abstractmethod
+    def cancel(self, req: Request) -> None: ...
+
+    # ---- worker side ------------------------------------------------------------------------
+    @abstractmethod
+    def save_layer(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def finish_save(self, req: Request, first_token: int) -> str | None: ...
+
+    @abstractmethod
+    def take_events(self) -> list[KVEvent]: ...
+
+    @property
+    @abstractmethod
+    def has_events(self) -> bool: ...
+
+    @abstractmethod
+    def set_wakeup(self, fn: Callable[[], None]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...

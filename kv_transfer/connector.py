@@ -1,0 +1,220 @@
+"""`TransferConnector`: the engine's KV connector (engine/kv_connector.py) over one transport
+(nixl, grpc or local). A prefill worker's connector sends, a decode worker's receives; the
+engine calls it and never sees a transport.
+
+Sending (a request with `kv_destinations`, the receivers' descriptors):
+    start_save (its last prompt chunk is scheduled) -> sender.start, pages pinned
+    save_layer(i) during that step's forward -> sender.send_layer for each save started this step
+    finish_save (first token sampled) -> sender.finish(first token, prompt length)
+    the request finishes: its pages stay held -> sender's on_release (DONE or FAILED) -> RELEASED
+Receiving (pages allocated by the engine for a request waiting for remote KV):
+    prepare_receive -> receiver.expect: the descriptor the sender needs
+    receiver's on_done (every layer and the final notice in) -> take_events: receiver.take, the
+        pages are the engine's again -> RECEIVED with the first token
+    receiver's on_release (FAILED: deadline, peer loss, a rejected write, a cancel; no write in
+        flight any more) -> FAILED
+    the request ends before its KV came (abort) -> receiver.cancel; its pages stay held until
+        the release, unless nothing was in flight
+
+The transport's callbacks run on its own threads: they only queue an event and call the
+engine's wake-up. Events carry the engine's `Request` object, so an event that comes after its
+request ended never touches a later request with the same id.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from engine.kv_connector import KVConnector, KVEvent, KVEventKind
+from engine.request import Request
+from kv_transfer.base import KVReceiver, KVSender
+from kv_transfer.config import TransferConfig
+from kv_transfer.descriptor import DestinationDescriptor
+from kv_transfer.layout import KVPool
+from kv_transfer.registry import create_receiver, create_sender
+from kv_transfer.states import TransferState
+
+_DONE = object()  # a receive reported DONE, to be taken on the engine thread
+
+
+class TransferConnector(KVConnector):
+    def __init__(self, transport: str, config: TransferConfig | None = None, *, model_id: str,
+                 send: bool = False, receive: bool = False, transport_kwargs: dict | None = None) -> None:
+        if not (send or receive):
+            raise ValueError("a TransferConnector sends, receives or both: set send or receive")
+        self.transport, self.config, self.model_id = transport, config or TransferConfig(), model_id
+        self._roles = (send, receive)
+        self._transport_kwargs = transport_kwargs or {}
+        self.pool: KVPool | None = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup: Callable[[], None] = lambda: None
+        self._sending: dict[str, Request] = {}    # send started, source pages not released yet
+        self._this_step: list[Request] = []       # sends started by this step's schedule
+        self._receiving: dict[str, Request] = {}  # descriptor published, KV not taken or failed yet
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self.pool = KVPool.from_tensors(kv_caches, self.model_id)
+        send, receive = self._roles
+        if send:
+            self.sender = create_sender(self.transport, self.pool, self.config, on_release=self._send_released,
+                                        **self._transport_kwargs)
+        if receive:
+            self.receiver = create_receiver(self.transport, self.pool, self.config, on_release=self._receive_failed,
+                                            on_done=self._received, **self._transport_kwargs)
+
+    @property
+    def endpoint(self) -> str:
+        """Where senders reach this connector's receiver."""
+        if self.receiver is None:
+            raise ValueError("this connector does not receive")
+        return self.receiver.endpoint
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        if self.sender is None:
+            raise ValueError("this worker does not send KV: kv_destinations are not accepted")
+        for d in req.kv_destinations:
+            if not isinstance(d, DestinationDescriptor):
+                raise ValueError(f"kv_destinations must be DestinationDescriptors, got {type(d).__name__}")
+            if d.num_tokens != req.num_prompt_tokens:
+                raise ValueError(f"destination {d.endpoint} expects {d.num_tokens} tokens, the prompt has "
+                                 f"{req.num_prompt_tokens}")
+
+    def start_save(self, req: Request) -> str | None:
+        rid = req.request_id
+        with self._lock:
+            self._sending[rid] = req  # before start: a failed handshake may release at once
+        try:
+            status = self.sender.start(rid, list(req.kv_destinations), list(req.pages), req.num_prompt_tokens)
+        except Exception as exc:  # a refused start leaves nothing tracked
+            with self._lock:
+                self._sending.pop(rid, None)
+            return f"transfer start failed: {type(exc).__name__}: {exc}"
+        if status.state == TransferState.FAILED:
+            return status.error or "transfer failed at start"
+        self._this_step.append(req)
+        return None
+
+    def prepare_receive(self, req: Request) -> DestinationDescriptor:
+        if self.receiver is None:
+            raise ValueError("this worker does not receive KV")
+        rid = req.request_id
+        with self._lock:
+            self._receiving[rid] = req
+        try:
+            return self.receiver.expect(rid, list(req.pages), req.num_prompt_tokens)
+        except BaseException:
+            with self._lock:
+                self._receiving.pop(rid, None)
+            raise
+
+    def request_finished(self, req: Request) -> bool:
+        rid = req.request_id
+        if req in self._this_step:
+            self._this_step.remove(req)
+        with self._lock:
+            if self._sending.get(rid) is req:
+                return True  # source pages are read until the send ends
+            receiving = self._receiving.get(rid) is req
+        if not receiving:
+            return False
+        self.receiver.cancel(rid, "the request ended before its KV arrived")
+        status = self.receiver.status(rid)
+        if status is not None and status.state == TransferState.DONE:
+            self.receiver.take(rid)  # it arrived just before the end: the pages are free to reuse
+            with self._lock:
+                self._receiving.pop(rid, None)
+            return False
+        with self._lock:  # still receiving: a write may be in flight until the release
+            return self._receiving.get(rid) is req
+
+    def cancel(self, req: Request) -> None:
+        """Stop the transfer of a request whose pages the engine holds for this connector."""
+        if self.sender is not None:
+            self.sender.cancel(req.request_id, "cancelled by the sender's caller")
+
+    # ---- worker side ------------------------------------------------------------------------
+    def save_layer(self, layer: int) -> None:
+        for req in self._this_step:
+            status = self.sender.status(req.request_id)
+            if status is not None and not status.state.terminal:
+                self.sender.send_layer(req.request_id, layer)
+
+    def finish_save(self, req: Request, first_token: int) -> str | None:
+        if req in self._this_step:
+            self._this_step.remove(req)
+        status = self.sender.status(req.request_id)
+        if status is not None and not status.state.terminal:
+            self.sender.finish(req.request_id, first_token, req.num_prompt_tokens)
+        if status is None or status.state == TransferState.FAILED:
+            return (status.error if status is not None else None) or "KV transfer failed"
+        return None
+
+    def take_events(self) -> list[KVEvent]:
+        events = []
+        while True:
+            try:
+                kind, req, error = self._events.get_nowait()
+            except queue.Empty:
+                return events
+            if kind is not _DONE:
+                events.append(KVEvent(kind, req, error=error))
+                continue
+            rid = req.request_id
+            with self._lock:
+                if self._receiving.get(rid) is not req:
+                    continue  # it ended meanwhile (request_finished took or cancelled it)
+                del self._receiving[rid]
+            status = self.receiver.take(rid)
+            if status.prompt_len != req.num_prompt_tokens or status.first_token is None:
+                events.append(KVEvent(KVEventKind.FAILED, req, error=f"final notice says prompt_len="
+                                      f"{status.prompt_len}, expected {req.num_prompt_tokens}"))
+            else:
+                events.append(KVEvent(KVEventKind.RECEIVED, req, first_token=status.first_token))
+
+    @property
+    def has_events(self) -> bool:
+        return not self._events.empty()
+
+    def set_wakeup(self, fn: Callable[[], None]) -> None:
+        self._wakeup = fn
+
+    @property
+    def num_sending(self) -> int:
+        with self._lock:
+            return len(self._sending)
+
+    def close(self) -> None:
+        """Fail every transfer in flight; their pages come back through the usual events."""
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+
+    # ---- transport threads ------------------------------------------------------------------
+    def _send_released(self, request_id: str, pages: list[int], state: TransferState) -> None:
+        with self._lock:
+            req = self._sending.pop(request_id, None)
+        if req is not None:
+            self._queue(KVEventKind.RELEASED, req)
+
+    def _received(self, request_id: str) -> None:
+        with self._lock:
+            req = self._receiving.get(request_id)
+        if req is not None:
+            self._queue(_DONE, req)
+
+    def _receive_failed(self, request_id: str, pages: list[int]) -> None:
+        with self._lock:
+            req = self._receiving.pop(request_id, None)
+        if req is not None:
+            status = self.receiver.status(request_id)
+            self._queue(KVEventKind.FAILED, req, (status.error if status is not None else None) or "transfer failed")
+
+    def _queue(self, kind, req: Request, error: str | None = None) -> None:
+        self._events.put((kind, req, error))
+        self._wakeup()
