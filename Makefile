@@ -25,7 +25,9 @@ kernels: $(STAMP)
 demo: $(STAMP) kernels
 	$(BIN)/pdcluster demo-cluster
 
+# The import rules first (pyproject.toml's [tool.importlinter], docs/architecture.md), then the suite.
 test: $(STAMP) kernels
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q tests
 
 test-slow: $(STAMP) kernels

@@ -47,7 +47,7 @@ class Cluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from cluster.actors import RouterActor
-        from engine.checkpoint import resolve_model
+        from engine.core import resolve_model
 
         cfg = self.config
         resolve_model(cfg.model)  # a built-in model is written here once, before any actor reads it

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import resolve_model
+from engine.checkpoint import builtin_name, find_model
 from engine.config import ModelConfig, dtype_name
 from engine.kv_cache_manager import KVCacheManager, pages_for
 from engine.kv_connector import KVConnector, KVEventKind
@@ -61,6 +61,16 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype) -> torch.
     if isinstance(value, torch.dtype):
         value = str(value)
     return getattr(torch, dtype_name(value))
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A checkpoint folder as given, or a built-in model by name, written on first use."""
+    named = builtin_name(model)
+    if named is not None:
+        from engine.builtin import ensure_builtin
+
+        return ensure_builtin(arch=named[0], preset=named[1])
+    return find_model(model)
 
 
 class EngineCore:

@@ -36,6 +36,7 @@ class EngineLoop:
         self._on_step = on_step
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self.num_steps = 0  # steps run: an idle worker runs none
         worker.core.set_wakeup(self.wake)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -84,6 +85,7 @@ class EngineLoop:
                     except BaseException as exc:
                         fut.set_exception(exc)
                 continue
+            self.num_steps += 1
             try:
                 result = worker.step()
             except BaseException:

@@ -63,11 +63,11 @@ class Frontend:
     @classmethod
     def from_model(cls, model: str | Path, *, hash_page_size: int, max_model_len: int | None = None,
                    limits: FrontendLimits | None = None) -> Frontend:
-        from engine.checkpoint import resolve_model
+        from engine.checkpoint import find_model
         from engine.config import ModelConfig
         from router.tokenizer import RouterTokenizer
 
-        model_dir = resolve_model(model, build=False)
+        model_dir = find_model(model)
         cfg = ModelConfig.from_pretrained(model_dir)
         tok = RouterTokenizer(model_dir)
         return cls(model_dir, tok, vocab_size=cfg.vocab_size,
@@ -93,7 +93,10 @@ class Frontend:
         if not self.has_chat_template:
             raise RequestError("messages need a chat template and this model has none: send prompt or prompt_token_ids",
                                grpc.StatusCode.FAILED_PRECONDITION)
-        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        except Exception as exc:  # the template's own raise_exception, or a template error
+            raise RequestError(f"messages: the model's chat template refused them: {exc}") from exc
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         if len(text) > self.limits.max_prompt_chars:

@@ -5,7 +5,9 @@ embedding tying and (for qwen3) an explicit head_dim that differs from hidden/he
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 PRESETS: tuple[str, ...] = ("tiny", "small", "bench")
@@ -150,3 +152,10 @@ def param_count(spec: ModelSpec) -> int:
             n *= d
         total += n
     return total
+
+
+def default_cache_root() -> Path:
+    """$PDCLUSTER_CACHE/models if set, else ~/.cache/pdcluster/models."""
+    env = os.environ.get("PDCLUSTER_CACHE")
+    base = Path(env) if env else Path.home() / ".cache" / "pdcluster"
+    return base / "models"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.builtin.config import dump_json, generation_config, hf_config
-from engine.builtin.presets import ARCHS, PRESETS, check_choice, check_seed, model_spec, param_count
+from engine.builtin.presets import ARCHS, PRESETS, check_choice, check_seed, default_cache_root, model_spec, param_count
 
 CHECKPOINT_FILES: tuple[str, ...] = (
     "config.json",
@@ -54,13 +54,6 @@ def make_tiny(out_dir: str | os.PathLike[str], arch: str = "llama", preset: str 
               seed: int = 0) -> Path:
     """Write a deterministic Hugging Face checkpoint into out_dir and return its path."""
     return write_checkpoint(out_dir, arch, preset, seed).path
-
-
-def default_cache_root() -> Path:
-    """$PDCLUSTER_CACHE/models if set, else ~/.cache/pdcluster/models."""
-    env = os.environ.get("PDCLUSTER_CACHE")
-    base = Path(env) if env else Path.home() / ".cache" / "pdcluster"
-    return base / "models"
 
 
 def ensure_builtin(arch: str = "llama", preset: str = "tiny", seed: int = 0,

@@ -283,6 +283,32 @@ def test_async_workers_stream_tokens_per_channel(tiny_model, make_llm):
     assert_no_pages_held(prefill, decode)
 
 
+def test_a_worker_waiting_for_kv_sleeps_until_the_connector_wakes_it(tiny_model):
+    """Nothing polls: a decode worker whose only request waits for its KV runs no step until the
+    transfer's arrival wakes its engine thread; the prefill worker, holding pages for a send,
+    runs none either until the send's release."""
+    from engine.async_worker import AsyncWorker
+
+    model = tiny_model("llama")
+    prefill, decode = make_pair(model)
+    pf, dc = AsyncWorker(prefill), AsyncWorker(decode)
+    prompt = random_prompts([40], 256, seed=9)[0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    try:
+        adm = dc.engine.submit(lambda: decode.admit("w", prompt, params)).result(10)
+        assert adm.stage == DecodeStage.WAITING_FOR_KV
+        steps = dc.engine.num_steps
+        time.sleep(0.3)  # a polling loop would have stepped (or spun) many times by now
+        assert dc.engine.num_steps == steps
+        pf.engine.submit(lambda: prefill.submit(PrefillTask("w", prompt, params, [adm.descriptor]))).result(10)
+        assert _settled(pf, dc)
+        assert dc.engine.num_steps > steps
+        assert not decode.has_requests and prefill.num_prefilled == 1
+    finally:
+        pf.close(), dc.close()
+    assert_no_pages_held(prefill, decode)
+
+
 def _settled(*hosts, timeout_s: float = 10.0) -> bool:
     """Every host's worker has no open request (transfers released), checked on its own thread."""
     deadline = time.monotonic() + timeout_s
