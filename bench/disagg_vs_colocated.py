@@ -7,7 +7,7 @@ Same hardware, model and code in both arms; only the roles differ:
 Each arm serves the Azure LLM conversation trace (2023; Azure/AzurePublicDataset, CC-BY-4.0,
 as processed by microsoft/vidur) with lengths scaled to the `bench` model and the trace's own
 arrival pattern time-scaled to a few request rates, measured by `bench serve`'s client
-(`bench.serve`). It reports TTFT p50/p99, ITL p50/p99, TPOT p90 and goodput at several SLOs
+(`loadgen`). It reports TTFT p50/p99, ITL p50/p99, TPOT p90 and goodput at several SLOs
 (one that binds on decode smoothness, one that binds on TTFT) for each arm and rate, the
 disaggregated/colocated ratios, plots, and JSON.
 
@@ -76,7 +76,7 @@ def _arms(args: argparse.Namespace) -> list[str]:
 def _parse_slos(items: list[str] | None) -> dict[str, dict[str, float]]:
     if not items:
         return dict(DEFAULT_SLOS)
-    from bench.serve.metrics import parse_slo
+    from loadgen.metrics import parse_slo
 
     out = {}
     for item in items:
@@ -118,7 +118,7 @@ def _workload(args: argparse.Namespace, rate: float, index: int, max_model_len: 
     stretched to `rate`, and fresh prompt tokens per rate (a cluster serves every rate, and
     repeating the previous rate's prompts would turn the next one into prefix-cache hits). The
     simulator needs no tokens (vocab_size None): it sees a prompt's length and prefix blocks."""
-    from bench.serve.workloads import build_workload, materialize_prompts
+    from loadgen.workloads import build_workload, materialize_prompts
 
     wl = build_workload(args.dataset, num_requests=args.num_requests, length_scale=args.length_scale,
                         max_model_len=max_model_len, seed=args.seed)
@@ -132,7 +132,7 @@ def _workload(args: argparse.Namespace, rate: float, index: int, max_model_len: 
 
 
 def _entry(arm: str, rate: float, records, duration: float, timeline, slos: dict) -> dict:
-    from bench.serve.metrics import summarize
+    from loadgen.metrics import summarize
 
     return {"arm": arm, "rate": rate, "duration_s": duration,
             "summary": summarize(records, duration, percentiles=(50, 90, 99)),
@@ -144,9 +144,9 @@ def _entry(arm: str, rate: float, records, duration: float, timeline, slos: dict
 
 def _simulate_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> list[dict]:
     """Both arms in the simulator, configured as `_arm_config` starts them, on the same requests."""
-    from cluster.planning.latency import LatencyModel
-    from cluster.planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
-    from cluster.planning.simulator import simulate
+    from planning.latency import LatencyModel
+    from planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
+    from planning.simulator import simulate
 
     profile = LatencyModel.load(args.simulate)
     max_len = int(profile.meta.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
@@ -174,7 +174,7 @@ def _print_point(entry: dict) -> None:
 
 def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> list[dict]:
     """Both arms on real local clusters, one after the other, on the same requests."""
-    from bench.serve.client import run_benchmark
+    from loadgen.client import run_benchmark
     from cluster.runtime import Cluster
 
     results = []
@@ -190,7 +190,7 @@ def _measure_arms(args: argparse.Namespace, rates: list[float], slos: dict) -> l
                 results.append(_entry(arm, rate, records, duration, timeline, slos))
                 _print_point(results[-1])
                 if args.plot:
-                    from bench.serve.report import write_plots
+                    from loadgen.report import write_plots
 
                     write_plots(Path(args.plot) / f"{arm}-rate{rate}", records, timeline)
         finally:

@@ -1,5 +1,5 @@
 """Baselines of `pdcluster bench kv`, the receiving side of each (the sending side lives in
-bench/kv_child.py). Each is an object whose `once()` times one transfer of the same bytes,
+loadgen/kv_child.py). Each is an object whose `once()` times one transfer of the same bytes,
 so the benchmark can take baseline and paged samples in turns and compare each paged sample
 with the baseline sample taken next to it (both then see the same background load).
 
@@ -112,7 +112,7 @@ class RawGrpc:
     def __init__(self, conn, nbytes: int, msg_bytes: int = 1 << 20, streams: int = 1) -> None:
         import grpc
 
-        from bench.kv_child import grpc_options
+        from loadgen.kv_child import grpc_options
         from kv_transfer.heap import keep_message_buffers
 
         keep_message_buffers(msg_bytes)  # the heap settings the transport runs with (kv_transfer/heap.py)

@@ -18,12 +18,12 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: the compiled CPU attention kernel vs the torch backend"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
     ("bench", "workers"): ("bench.workers_bench", "prefill + decode workers vs colocated: second-token latency, ITL"),
-    ("bench", "serve"): ("bench.serve.cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),
+    ("bench", "serve"): ("bench.serve_cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),
     ("bench", "disagg-vs-colocated"): ("bench.disagg_vs_colocated", "the experiment: 1P+1D vs 2 colocated on a trace"),
-    ("plan", "profile"): ("cluster.planning.profile_cli", "profile the real engine here and fit a latency model"),
-    ("plan", "simulate"): ("cluster.planning.simulate_cli", "discrete-event simulation of a cluster config on a workload"),
-    ("plan", "search"): ("cluster.planning.search_cli", "search pool configurations under SLOs and a hardware budget"),
-    ("plan", "validate"): ("cluster.planning.validate_cli", "profile, simulate, run the real cluster, compare"),
+    ("plan", "profile"): ("planning.profile_cli", "profile the real engine here and fit a latency model"),
+    ("plan", "simulate"): ("planning.simulate_cli", "discrete-event simulation of a cluster config on a workload"),
+    ("plan", "search"): ("planning.search_cli", "search pool configurations under SLOs and a hardware budget"),
+    ("plan", "validate"): ("planning.validate_cli", "profile, simulate, run the real cluster, compare"),
 }
 _GROUPS = {"model": "built-in models", "plan": "capacity planning: profile, simulate, search, validate",
            "bench": "benchmarks (not tests): ratios against same-run baselines"}

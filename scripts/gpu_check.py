@@ -7,7 +7,7 @@
 (iii) the attention kernel alone (FlashInfer wrapper `run`) vs torch SDPA on the same shapes;
 (iv) the whole engine (`LLM.generate`: scheduler, runner, sampler) decoding 64 and 1 sequences,
     per step, against (i): the difference is the per-step overhead that the planner's roofline
-    (`cluster.planning.roofline.Roofline.overhead_s`) guesses at 2 ms.
+    (`planning.roofline.Roofline.overhead_s`) guesses at 2 ms.
 Rows (i) and (ii) also carry the roofline's prediction for the same shape on an H200, and its error.
 Times are medians of CUDA-event timed repeats after warm-ups. Each section is guarded, so one
 failure still leaves the rest of the table and the JSON.
@@ -33,8 +33,8 @@ from engine.builtin import ensure_builtin  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model_runner import allocate_kv_caches  # noqa: E402
-from cluster.planning.hardware import get_gpu  # noqa: E402
-from cluster.planning.roofline import Roofline  # noqa: E402
+from planning.hardware import get_gpu  # noqa: E402
+from planning.roofline import Roofline  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12  # datasheet
 H200_BF16_DENSE_FLOPS = 989e12  # datasheet, dense

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from bench.serve.client import model_info, run_benchmark_sync
-from bench.serve.metrics import summarize
-from bench.serve.report import format_table, write_json
-from bench.serve.workloads import Workload, WorkloadRequest, build_workload, dataset_path, materialize_prompts
+from loadgen.client import model_info, run_benchmark_sync
+from loadgen.metrics import summarize
+from loadgen.report import format_table, write_json
+from loadgen.workloads import Workload, WorkloadRequest, build_workload, dataset_path, materialize_prompts
 from cluster.cli import main as pdcluster_main
 from tests.integration.router_harness import kv_bytes_moved, per_worker, scrape, value
 from tests.integration.test_metrics import metrics_cluster, metrics_router  # noqa: F401 (fixtures)

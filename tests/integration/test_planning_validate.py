@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from cluster.cli import main
-from cluster.planning.latency import LatencyModel
+from planning.latency import LatencyModel
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""bench.serve.metrics on hand-built records with known times."""
+"""loadgen.metrics on hand-built records with known times."""
 import pytest
 
-from bench.serve.metrics import RequestRecord, parse_slo, summarize
+from loadgen.metrics import RequestRecord, parse_slo, summarize
 
 
 def rec(i, ttft, chunks, ok=True, error="", prompt=10):

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.serve.metrics import summarize
-from cluster.planning.dispersion import disperse_summary, expected_stats, pool, residuals
+from loadgen.metrics import summarize
+from planning.dispersion import disperse_summary, expected_stats, pool, residuals
 
 
 def _rec(i, ttft, gap, n=20, ok=True):

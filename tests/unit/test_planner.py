@@ -2,11 +2,11 @@
 instance capacities that the end-to-end simulation confirms, and its CLI validates input."""
 import pytest
 
-from bench.serve.workloads import Workload, WorkloadRequest, gamma_arrivals
-from cluster.planning.latency import LatencyModel
-from cluster.planning.search import (Instance, Plan, SearchSpace, enumerate_plans, max_goodput, pareto_front,
+from loadgen.workloads import Workload, WorkloadRequest, gamma_arrivals
+from planning.latency import LatencyModel
+from planning.search import (Instance, Plan, SearchSpace, enumerate_plans, max_goodput, pareto_front,
                                      plan_cluster, search)
-from cluster.planning.sim_engine import EngineLimits
+from planning.sim_engine import EngineLimits
 
 # "compute-rich": fast prefill, decode steps far over the TPOT SLO.
 COMPUTE = LatencyModel(prefill=(0.01, 0.0005, 0.0, 0.0), decode=(0.2, 0.0, 0.0), kv_bytes_per_token=100)

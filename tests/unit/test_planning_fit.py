@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
-from cluster.planning.latency import LatencyModel
-from cluster.planning.profile_cli import add_arguments, run
+from planning.fit import fit_decode, fit_prefill, fit_transfer
+from planning.latency import LatencyModel
+from planning.profile_cli import add_arguments, run
 
 
 def test_fit_recovers_coefficients_with_noise():
@@ -48,7 +48,7 @@ def test_profile_grid_keeps_only_shapes_the_model_can_take():
     """A 2,048-position model (the built-in small preset) is profiled without its 2,048-token
     prompts or prompts whose cached prefix would overflow, but up to the longest prompt it takes;
     8,192 positions keep the whole grid."""
-    from cluster.planning.profile import FULL, fit_grid
+    from planning.profile import FULL, fit_grid
 
     g = fit_grid(FULL, 2048)
     assert g["prefill_shapes"] and all(t + c + 80 <= 2048 for t, c in g["prefill_shapes"])
@@ -61,7 +61,7 @@ def test_profile_grid_keeps_only_shapes_the_model_can_take():
 
 
 def _rec(start_s: float, chunk_times_s: list[float]):
-    from bench.serve.metrics import RequestRecord
+    from loadgen.metrics import RequestRecord
 
     return RequestRecord(index=0, request_id="r", scheduled_s=0.0, start_s=start_s, prompt_len=100, max_tokens=10,
                          ok=True, chunk_times_s=chunk_times_s)
@@ -71,7 +71,7 @@ def test_served_decode_point_uses_only_the_gaps_while_every_stream_decodes():
     """Two streams of 10 ms steps, the second starting 50 ms later and stepping at 20 ms while
     both decode: the point is the 20 ms gaps of the shared window, not the lone stretches;
     streams that never decode together give no point."""
-    from cluster.planning.serving_profile import _all_decoding
+    from planning.serving_profile import _all_decoding
 
     a = _rec(0.0, [0.01 * i for i in range(6)] + [0.05 + 0.02 * i for i in range(1, 6)])  # to 0.15 s
     b = _rec(0.05, [0.0, 0.02, 0.04, 0.06, 0.08, 0.10, 0.11, 0.12])  # decodes 0.07-0.17 s
@@ -83,7 +83,7 @@ def test_served_decode_point_uses_only_the_gaps_while_every_stream_decodes():
 
 
 def test_decode_shape_lengths_spread_around_the_shape_and_fit_the_context():
-    from cluster.planning.serving_profile import _spread
+    from planning.serving_profile import _spread
 
     assert _spread(400, 1, 2000) == [400]
     assert _spread(400, 2, 2000) == [200, 600]
@@ -92,7 +92,7 @@ def test_decode_shape_lengths_spread_around_the_shape_and_fit_the_context():
 
 
 def test_two_calibrations_merge_into_every_sample_and_the_mean_interference():
-    from cluster.planning.serving_profile import merge_points
+    from planning.serving_profile import merge_points
 
     a = {"prefill": [(16, 0, 0.02)], "decode": [(1, 100, 0.007)], "first_gaps": [(64, 0.01)], "busy_ttft": [0.03],
          "interference": {"factor": 0.1}}
@@ -118,7 +118,7 @@ def test_load_fit_recovers_the_slow_down_per_stream_alongside():
     """Streams decoding together on one worker, and on a neighbour, slower than predicted by
     0.3 per stream on the same worker and 0.1 per stream next door: the fit finds both; a lone
     stream's ratio is what it is measured against (through the origin)."""
-    from cluster.planning.load_run import fit_load
+    from planning.load_run import fit_load
 
     k_same, k_other = 0.3, 0.1
     specs = [(0, "a", 0.0, 1.0),                                      # alone
@@ -150,7 +150,7 @@ def test_load_fit_takes_an_intercept_where_enough_streams_decoded_alone():
     ten lone streams 7 % over, pairs 7 % + 0.3 over. With MIN_LONE_STREAMS lone requests the fit
     has an intercept (load_base) and the per-stream factor is only what a second stream adds;
     through the origin it would have put the lone streams' 7 % on every stream alongside."""
-    from cluster.planning.load_run import MIN_LONE_STREAMS, fit_load, with_load
+    from planning.load_run import MIN_LONE_STREAMS, fit_load, with_load
 
     specs = [(i, "d", 20.0 * i, 1.07) for i in range(10)]  # apart in time: alone
     specs += [(10, "d", 500.0, 1.37), (11, "d", 500.0, 1.37), (12, "d", 600.0, 1.37), (13, "d", 600.0, 1.37)]
@@ -170,7 +170,7 @@ def test_load_fit_reads_prefills_beside_decoding_streams_and_the_quiet_first_tok
     worker take load_other x their prefill longer per stream; prompts on a quiet host a fixed
     offset longer than predicted. The fit finds both, the prefill being the predicted TTFT less
     the first-token delay."""
-    from cluster.planning.load_run import fit_load
+    from planning.load_run import fit_load
 
     delay, offset, k = 0.02, 0.005, 0.3
     measured, predicted = [], []
@@ -203,7 +203,7 @@ def test_load_fit_pools_the_load_runs_of_several_repeats():
     together on a worker. Alone, a run's two streams are too few to fit load_same (at least four
     are needed) and its quiet offset is its own median; pooled, the fit reads 0.3 per stream off
     all four streams and the offset is the median of all eight prompts."""
-    from cluster.planning.load_run import fit_load, fit_samples, request_samples
+    from planning.load_run import fit_load, fit_samples, request_samples
 
     def run(offsets_ms):
         measured, predicted = [], []
@@ -227,8 +227,8 @@ def test_load_fit_pools_the_load_runs_of_several_repeats():
 def test_load_run_follows_the_length_distribution_of_the_workload_not_its_requests():
     import math
 
-    from bench.serve.workloads import Workload, WorkloadRequest
-    from cluster.planning.load_run import load_workload
+    from loadgen.workloads import Workload, WorkloadRequest
+    from planning.load_run import load_workload
 
     like = Workload([WorkloadRequest(i, 0.0, 100 * (1 + i % 5), 20 + i % 3) for i in range(40)], 0, "t")
     wl = load_workload(2.0, 600, seed=5, num_requests=400, like=like)
@@ -286,7 +286,7 @@ def _served_points(prefill_s, delay=0.015):
 
 
 def test_calibration_on_dense_served_lengths_passes_through_each_of_them():
-    from cluster.planning.serving_profile import calibrate
+    from planning.serving_profile import calibrate
 
     engine = LatencyModel(prefill=(0.004, 9e-5, 5e-8, 1.4e-7), decode=(0.003, 3e-4, 7e-7))
 

@@ -1,8 +1,8 @@
 """Roofline figures for Llama-2-7B on H100 against hand-computed values, and the Vidur cross-check."""
 import pytest
 
-from cluster.planning.hardware import get_gpu
-from cluster.planning.roofline import (Roofline, crosscheck_vidur, data_dir, kv_bytes_per_token, model_shape,
+from planning.hardware import get_gpu
+from planning.roofline import (Roofline, crosscheck_vidur, data_dir, kv_bytes_per_token, model_shape,
                                        roofline_latency_model, weight_bytes)
 
 L7 = model_shape("Llama-2-7b")
@@ -41,7 +41,7 @@ def test_latency_model_from_roofline_and_errors():
 def test_crosscheck_vidur_h100_and_calibration_holds_out_of_sample():
     """The defaults were fitted on measured H100 linear ops; a fit on one model's rows must
     predict the other model's within 10 % (median), small and large batches alike."""
-    from cluster.planning.roofline import calibrate_on_vidur
+    from planning.roofline import calibrate_on_vidur
 
     d = data_dir() / "profiles" / "h100"
     p7, p70 = d / "Llama-2-7b-hf" / "mlp.csv", d / "Llama-2-70b-hf" / "mlp.csv"

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from bench.serve.metrics import summarize
-from bench.serve.workloads import Workload, WorkloadRequest, data_dir, gamma_arrivals
-from cluster.planning.latency import LatencyModel
-from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.sim_spec import SimCluster, SimPool
-from cluster.planning.simulator import simulate
+from loadgen.metrics import summarize
+from loadgen.workloads import Workload, WorkloadRequest, data_dir, gamma_arrivals
+from planning.latency import LatencyModel
+from planning.sim_engine import EngineLimits
+from planning.sim_spec import SimCluster, SimPool
+from planning.simulator import simulate
 
 LM = LatencyModel(prefill=(0.02, 0.08 / 512, 0.0, 0.0), decode=(0.01, 0.001, 1e-6), kv_bytes_per_token=1000,
                   transfer_bytes_per_s=1e12)
@@ -129,9 +129,9 @@ def test_client_concurrency_cap_is_respected():
 
 @pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
 def test_an_hour_of_azure_conversation_simulates_in_under_30_s():
-    from bench.serve.workloads import build_workload
-    from cluster.planning.hardware import get_gpu
-    from cluster.planning.roofline import model_shape, roofline_latency_model
+    from loadgen.workloads import build_workload
+    from planning.hardware import get_gpu
+    from planning.roofline import model_shape, roofline_latency_model
 
     lm = roofline_latency_model(model_shape("Llama-3-8B"), get_gpu("H100"))
     limits = EngineLimits(16, 30000, 8192, 256)

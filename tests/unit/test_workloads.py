@@ -1,10 +1,10 @@
-"""bench.serve.workloads: trace loaders, scaling, arrivals, prompt materialization."""
+"""loadgen.workloads: trace loaders, scaling, arrivals, prompt materialization."""
 import json
 import statistics
 
 import pytest
 
-from bench.serve.workloads import (build_workload, data_dir, gamma_arrivals, load_azure, load_mooncake,
+from loadgen.workloads import (build_workload, data_dir, gamma_arrivals, load_azure, load_mooncake,
                                    materialize_prompts)
 
 TRACES = data_dir() / "traces"
@@ -66,6 +66,18 @@ def test_random_and_errors():
         build_workload("random", num_requests=3, input_range=(9, 2))
     with pytest.raises(ValueError, match="allowed"):
         build_workload("nope")
+
+
+def test_the_shared_data_beside_the_repository_is_found(monkeypatch):
+    """The trace and profile tests skip without the shared data; they must not skip because a
+    module looks for it in the wrong place (as after a package move)."""
+    from pathlib import Path
+
+    from loadgen.workloads import data_dir
+
+    monkeypatch.delenv("PDCLUSTER_DATA", raising=False)
+    beside = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    assert data_dir().resolve() == beside.resolve()
 
 
 @needs_traces

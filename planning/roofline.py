@@ -10,15 +10,15 @@ against real H100 operator timings (microsoft/vidur, MIT).
 from __future__ import annotations
 
 import csv
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from cluster.planning.fit import fit_decode, fit_prefill
-from cluster.planning.hardware import GPUSpec
-from cluster.planning.latency import LatencyModel
+from loadgen.workloads import data_dir
+from planning.fit import fit_decode, fit_prefill
+from planning.hardware import GPUSpec
+from planning.latency import LatencyModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,10 +130,6 @@ def roofline_latency_model(cfg, gpu: GPUSpec, tp: int = 1, max_batched_tokens: i
 
 
 # ---- cross-check against measured H100 operator times (microsoft/vidur profiling CSVs, MIT) ----
-def data_dir() -> Path:
-    return Path(os.environ.get("PDCLUSTER_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-
-
 def _gemm_time(r: Roofline, t: int, n_in: int, n_out: int, launch_s: float = 0.0) -> float:
     flops = 2 * t * n_in * n_out
     nbytes = (n_in * n_out + t * n_in + t * n_out) * r.dtype_bytes
@@ -169,7 +165,7 @@ def calibrate_on_vidur(paths, gpu: GPUSpec | None = None, small_tokens: int = 12
     ops over the given Vidur profiles (a grid search: three parameters, every row). The error
     is the mean of the small-batch (decode-like, <= small_tokens) and large-batch medians, so
     the many large rows do not drown the decode regime."""
-    from cluster.planning.hardware import get_gpu
+    from planning.hardware import get_gpu
 
     gpu = gpu or get_gpu("H100")
     rows = [r for p in paths for r in _linear_rows(p)]
@@ -191,7 +187,7 @@ def crosscheck_vidur(path: str | Path, gpu: GPUSpec | None = None, small_tokens:
     """Roofline vs measured median time of one layer's four linear ops (attn_pre_proj,
     attn_post_proj, mlp_up_proj, mlp_down_proj), per row of a Vidur mlp.csv. Returns relative
     error (pred/measured - 1) summaries by regime (num_tokens <= small_tokens or above)."""
-    from cluster.planning.hardware import get_gpu
+    from planning.hardware import get_gpu
 
     gpu = gpu or get_gpu("H100")
     errs: dict[str, list[float]] = {"small": [], "large": []}

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.serve.metrics import METRICS, RequestRecord
+from loadgen.metrics import METRICS, RequestRecord
 
 _W = 50
 

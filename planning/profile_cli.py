@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.crosscheck_h100:
-        from cluster.planning.roofline import calibrate_on_vidur, crosscheck_vidur, data_dir
+        from planning.roofline import calibrate_on_vidur, crosscheck_vidur, data_dir
 
         paths = {m: data_dir() / "profiles" / "h100" / m / "mlp.csv" for m in ("Llama-2-7b-hf", "Llama-2-70b-hf")}
         missing = [str(p) for p in paths.values() if not p.is_file()]
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             held = crosscheck_vidur(paths[test], mfu=fit["mfu"], bw_eff=fit["bw_eff"], launch_s=fit["launch_s"])
             print(json.dumps({"fit_on": train, **fit, "held_out": test, "small": held["small"], "large": held["large"]}))
         return 0
-    from cluster.planning.profile import TRANSPORTS, profile_engine
+    from planning.profile import TRANSPORTS, profile_engine
 
     transports = tuple(t for t in args.transports.split(",") if t)
     bad = [t for t in transports if t not in TRANSPORTS]

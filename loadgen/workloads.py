@@ -55,7 +55,7 @@ def data_dir() -> Path:
     env = os.environ.get("PDCLUSTER_DATA")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"  # <repo>/loadgen/workloads.py
 
 
 def dataset_path(name: str) -> Path:

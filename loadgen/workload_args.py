@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from bench.serve.workloads import DATASETS, FORMATS, Workload, build_workload
+from loadgen.workloads import DATASETS, FORMATS, Workload, build_workload
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -39,7 +39,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def validate_workload_arguments(args: argparse.Namespace) -> tuple[tuple[float, ...], dict[str, float]]:
     """Raises ValueError naming the flag and its allowed range; returns (percentiles, SLOs)."""
-    from bench.serve.metrics import parse_slo
+    from loadgen.metrics import parse_slo
 
     checks = [("--num-requests", args.num_requests, lambda v: v >= 1, ">= 1"),
               ("--time-scale", args.time_scale, lambda v: v > 0 and math.isfinite(v), "> 0"),

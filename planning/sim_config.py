@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cluster.config import ClusterConfig, PoolConfig
-from cluster.planning.hardware import GPUSpec, get_gpu
-from cluster.planning.latency import LatencyModel
-from cluster.planning.roofline import ModelShape, kv_bytes_per_token, roofline_latency_model, weight_bytes
-from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.sim_spec import SimCluster, SimPool
+from planning.hardware import GPUSpec, get_gpu
+from planning.latency import LatencyModel
+from planning.roofline import ModelShape, kv_bytes_per_token, roofline_latency_model, weight_bytes
+from planning.sim_engine import EngineLimits
+from planning.sim_spec import SimCluster, SimPool
 
 DEFAULT_MAX_MODEL_LEN = 8192
 

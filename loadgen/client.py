@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.serve.metrics import RequestRecord
-from bench.serve.workloads import Workload, WorkloadRequest
 from engine.heap import heap_frozen
+from loadgen.metrics import RequestRecord
+from loadgen.workloads import Workload, WorkloadRequest
 from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 

@@ -39,10 +39,10 @@ from tqdm import tqdm
 
 from dataclasses import replace
 
-from bench.serve.workloads import Workload, WorkloadRequest
-from cluster.planning.fit import fit_decode, fit_prefill
-from cluster.planning.latency import LatencyModel
-from cluster.planning.load_run import LOAD_KEYS, apply_load, run_load
+from loadgen.workloads import Workload, WorkloadRequest
+from planning.fit import fit_decode, fit_prefill
+from planning.latency import LatencyModel
+from planning.load_run import LOAD_KEYS, apply_load, run_load
 
 # `plan profile --serving`. decode_tokens: 32 prompts of 512 tokens reach the decode worker over
 # ~1.2 s (4 per prefill step); with 60 tokens each the first streams had finished before the last began
@@ -74,7 +74,7 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def _run(address: str, reqs: list[WorkloadRequest], concurrency: int | None):
-    from bench.serve.client import run_benchmark
+    from loadgen.client import run_benchmark
 
     records, _, _ = asyncio.run(run_benchmark(address, Workload(reqs, 0, "serving-profile"),
                                               max_concurrency=concurrency, progress=False, run_tag="profile"))
@@ -107,7 +107,7 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     decode (b, context, served step s) on one decode (or colocated) worker at a time, pinned
     by `GenerateRequest.decode_worker`. Shapes that do not fit `max_model_len` (the server's)
     are left out."""
-    from bench.serve.client import decode_worker_ids
+    from loadgen.client import decode_worker_ids
 
     rng = random.Random(seed)
     grid = fits(grid, max_model_len)
@@ -323,7 +323,7 @@ def profile_serving(model: str, dtype: str, engine_lm: LatencyModel, quick: bool
     """Start a 1 prefill + 1 decode cluster here, measure, stop it: the calibrated model and
     {points, decode_fit, first_token_delay_s, prefill_scale, ...}; with `load_rate`, also a load
     run at that rate (`run_load`, `apply_load`: its fit under "load")."""
-    from bench.serve.client import model_info
+    from loadgen.client import model_info
     from cluster.config import ClusterConfig
     from cluster.runtime import Cluster
 

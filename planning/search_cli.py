@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.serve.workload_args import add_workload_arguments
+    from loadgen.workload_args import add_workload_arguments
 
     p.add_argument("--model-shape", default="Llama-3-8B", help="a roofline preset or a checkpoint folder")
     p.add_argument("--inventory", help="GPUs available by type, e.g. '8xH100,8xH200' (or H100=8,...)")
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_inventory(text: str) -> dict[str, int]:
-    from cluster.planning.hardware import get_gpu
+    from planning.hardware import get_gpu
 
     out: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -51,10 +51,10 @@ def parse_inventory(text: str) -> dict[str, int]:
 def build_space(args: argparse.Namespace, shape):
     from dataclasses import replace
 
-    from cluster.planning.hardware import get_gpu
-    from cluster.planning.roofline import roofline_latency_model
-    from cluster.planning.search import Instance, SearchSpace
-    from cluster.planning.sim_config import gpu_num_pages
+    from planning.hardware import get_gpu
+    from planning.roofline import roofline_latency_model
+    from planning.search import Instance, SearchSpace
+    from planning.sim_config import gpu_num_pages
 
     if args.inventory:
         inventory = parse_inventory(args.inventory)
@@ -100,9 +100,9 @@ def build_space(args: argparse.Namespace, shape):
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.serve.workload_args import validate_workload_arguments, workload_from_args
-    from cluster.planning.search import pareto_front, search
-    from cluster.planning.simulate_cli import load_shape
+    from loadgen.workload_args import validate_workload_arguments, workload_from_args
+    from planning.search import pareto_front, search
+    from planning.simulate_cli import load_shape
 
     try:
         _, slo = validate_workload_arguments(args)

@@ -1,7 +1,7 @@
 """`LatencyModel`: the step-time model every planning tool speaks.
 
 Filled either by fitting points the profiler measured on this machine
-(`cluster.planning.fit`) or from a roofline of a model on a GPU (`cluster.planning.roofline`);
+(`planning.fit`) or from a roofline of a model on a GPU (`planning.roofline`);
 the simulator and the planner only call the methods below.
 
     prefill_time(t, c)  = p0 + p1*t + p2*t**2 + p3*t*c        (t new tokens of one sequence after c in its KV)

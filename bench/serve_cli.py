@@ -1,11 +1,11 @@
 """`pdcluster bench serve`: load a running endpoint with a trace or random workload and print
-TTFT, TPOT, ITL, E2E, throughput and goodput (definitions in bench.serve.metrics)."""
+TTFT, TPOT, ITL, E2E, throughput and goodput (definitions in loadgen.metrics)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench.serve.workload_args import add_workload_arguments, validate_workload_arguments
+from loadgen.workload_args import add_workload_arguments, validate_workload_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from bench.serve import client, report
-    from bench.serve.metrics import summarize
-    from bench.serve.workload_args import workload_from_args
-    from bench.serve.workloads import materialize_prompts
+    from loadgen import client, report
+    from loadgen.metrics import summarize
+    from loadgen.workload_args import workload_from_args
+    from loadgen.workloads import materialize_prompts
 
     try:
         info = asyncio.run(client.model_info(args.address))

@@ -93,7 +93,7 @@ def expected_stats(values_ms: list[float], log_residuals: list[float], percentil
 
 
 def disperse_summary(summary: dict, records: list, disp: dict, draws: int = DRAWS, seed: int = 0) -> dict:
-    """`summary` (bench.serve.metrics.summarize of simulated `records`) with its TTFT and TPOT
+    """`summary` (loadgen.metrics.summarize of simulated `records`) with its TTFT and TPOT
     figures replaced by their expectation over per-request residual draws (`expected_stats`);
     the simulator's own figures stay under "deterministic"."""
     done = [r for r in records if r.ok]

@@ -14,7 +14,7 @@ per pool instead of tensors:
 
 Every worker is an `EngineSim` (sim_engine.py), the engine scheduler's rules in step times.
 The output is what `bench serve` measures on a real endpoint: one `RequestRecord` per request
-(TTFT, chunk times, tokens, server timings and placement), so `bench.serve.metrics.summarize`
+(TTFT, chunk times, tokens, server timings and placement), so `loadgen.metrics.summarize`
 gives the same table and JSON, plus per-worker statistics.
 
 The transfer of a request's KV starts with its last prefill step (layers are sent as each is
@@ -29,11 +29,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.serve.client import Timeline
-from bench.serve.metrics import RequestRecord
-from bench.serve.workloads import Workload
-from cluster.planning.sim_engine import EngineSim, SimRequest
-from cluster.planning.sim_spec import SimCluster
+from loadgen.client import Timeline
+from loadgen.metrics import RequestRecord
+from loadgen.workloads import Workload
+from planning.sim_engine import EngineSim, SimRequest
+from planning.sim_spec import SimCluster
 from router.policy import WorkerView, make_policy
 
 @dataclass

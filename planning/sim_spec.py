@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.planning.latency import LatencyModel
-from cluster.planning.sim_engine import EngineLimits
+from planning.latency import LatencyModel
+from planning.sim_engine import EngineLimits
 from router.policy import POLICIES
 
 ROLES = ("prefill", "decode", "colocated")

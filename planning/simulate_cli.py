@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.serve.workload_args import add_workload_arguments
+    from loadgen.workload_args import add_workload_arguments
 
     p.add_argument("--config", help="cluster config YAML (as for `pdcluster serve`)")
     p.add_argument("--prefill", type=int, default=1, help="prefill replicas (embedded config)")
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_shape(name: str):
-    from cluster.planning.roofline import PRESETS
+    from planning.roofline import PRESETS
 
     if name in PRESETS:
         return PRESETS[name]
@@ -43,8 +43,8 @@ def load_shape(name: str):
 
 def build_cluster(args: argparse.Namespace):
     """(SimCluster, max_model_len) from the cluster and latency flags; ValueError on bad input."""
-    from cluster.planning.latency import LatencyModel
-    from cluster.planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
+    from planning.latency import LatencyModel
+    from planning.sim_config import DEFAULT_MAX_MODEL_LEN, sim_cluster
     from cluster.serve import load_config
 
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -69,10 +69,10 @@ def build_cluster(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.serve import report
-    from bench.serve.metrics import summarize
-    from bench.serve.workload_args import validate_workload_arguments, workload_from_args
-    from cluster.planning.simulator import simulate
+    from loadgen import report
+    from loadgen.metrics import summarize
+    from loadgen.workload_args import validate_workload_arguments, workload_from_args
+    from planning.simulator import simulate
 
     try:
         percentiles, slo = validate_workload_arguments(args)

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from bench.serve.workloads import Workload
-from cluster.planning.latency import LatencyModel
+from loadgen.workloads import Workload
+from planning.latency import LatencyModel
 
 # the load run's defaults: Poisson arrivals for about `duration_s` (at least `min_requests`);
 # without a workload to follow (`plan profile --load-rate`), prompts and outputs uniform in these
@@ -41,7 +41,7 @@ def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int 
     replayed trace's median length (185 tokens): 8-15 ms, where the replay's prompts paid ~5.
     Held-out requests of the same trace do not match it either (past its first 1,000 the Azure
     conversation trace's prompts have a median of 520 tokens, outputs twice as long)."""
-    from bench.serve.workloads import WorkloadRequest, build_workload, gamma_arrivals
+    from loadgen.workloads import WorkloadRequest, build_workload, gamma_arrivals
 
     if not rate > 0:
         raise ValueError(f"the load run needs a request rate > 0, got {rate}")
@@ -94,8 +94,8 @@ def run_load(address: str, vocab: int, max_model_len: int, rate: float, seed: in
              num_requests: int | None = None, **lengths) -> tuple[Workload, list]:
     """Serve the load run (`load_workload`; `lengths`: its `like`) on the cluster at `address`:
     its workload and the client's records."""
-    from bench.serve.client import run_benchmark
-    from bench.serve.workloads import materialize_prompts
+    from loadgen.client import run_benchmark
+    from loadgen.workloads import materialize_prompts
 
     wl = load_workload(rate, max_model_len, seed=seed, num_requests=num_requests, **lengths)
     materialize_prompts(wl, vocab, seed=seed + 1000)
@@ -124,15 +124,15 @@ def load_residuals(lm: LatencyModel, cfg, workload: Workload, records: list, max
     """What the load run's requests vary by beyond the model `lm` (calibrated, carrying its load
     fit): the workload simulated with it and compared with the client's `records`, request by
     request (`dispersion.residuals`)."""
-    from cluster.planning.dispersion import residuals
+    from planning.dispersion import residuals
 
     return residuals([compact_record(r) for r in records], _predicted(lm, cfg, workload, max_model_len))
 
 
 def _predicted(lm: LatencyModel, cfg, workload: Workload, max_model_len: int) -> list[dict]:
     """The load workload simulated on the cluster `cfg` with `lm`, as `compact_record` dicts."""
-    from cluster.planning.sim_config import sim_cluster
-    from cluster.planning.simulator import simulate
+    from planning.sim_config import sim_cluster
+    from planning.simulator import simulate
 
     sim = simulate(sim_cluster(cfg, profile=lm, max_model_len=max_model_len), workload)
     return [compact_record(r) for r in sim.records]

@@ -26,12 +26,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from bench.serve.metrics import meets_slo
-from bench.serve.workloads import Workload
-from cluster.planning.latency import LatencyModel
-from cluster.planning.sim_engine import EngineLimits
-from cluster.planning.sim_spec import SimCluster, SimPool
-from cluster.planning.simulator import simulate
+from loadgen.metrics import meets_slo
+from loadgen.workloads import Workload
+from planning.latency import LatencyModel
+from planning.sim_engine import EngineLimits
+from planning.sim_spec import SimCluster, SimPool
+from planning.simulator import simulate
 
 FREE = LatencyModel()  # a phase that takes no time: isolates the other one
 OBJECTIVES = ("goodput", "per-gpu", "per-dollar")

@@ -14,8 +14,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from cluster.planning.fit import fit_decode, fit_prefill, fit_transfer
-from cluster.planning.latency import LatencyModel
+from planning.fit import fit_decode, fit_prefill, fit_transfer
+from planning.latency import LatencyModel
 
 FULL = {"prefill_tokens": (16, 64, 128, 256, 512, 1024, 2048), "cached": (0, 256, 512),
         "batch": (1, 2, 4, 8, 16, 32), "ctx_per_seq": (64, 256, 1024), "decode_steps": 4,
@@ -32,7 +32,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 def profile_transfer(cfg, dtype: str, page_size: int, transports=TRANSPORTS, grid: dict = FULL) -> dict:
     """Per transport: the fit {coef: (x0 s, bytes/s), r2, ...} and the raw (bytes, seconds) points
     (every repeat), for this model's KV layout moved between two processes here."""
-    from bench.kv_bench import measure_transfer
+    from loadgen.kv import measure_transfer
 
     spec_kw = dict(model_id="profile", num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     layout_kw = dict(num_layers=cfg.num_layers, page_size=page_size, head_start=0, num_heads=cfg.num_kv_heads,
@@ -140,7 +140,7 @@ def profile_engine(model: str = "bench", dtype: str = "bfloat16", quick: bool = 
     fits = {"prefill": fp.as_dict(), "decode": fd.as_dict(), **{f"transfer_{k}": v["fit"] for k, v in transfer.items()}}
     points = {"prefill": prefill, "decode": decode, **{f"transfer_{k}": v["points"] for k, v in transfer.items()}}
     if serving:
-        from cluster.planning.serving_profile import profile_serving
+        from planning.serving_profile import profile_serving
 
         del eng  # its KV memory, before the cluster's workers take theirs
         lm, served = profile_serving(model, dtype, lm, quick, transport=next(iter(transfers), "nixl"),

@@ -19,10 +19,10 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass
 
-from bench.serve.metrics import summarize
-from bench.serve.workloads import Workload, build_workload, materialize_prompts
-from cluster.planning.latency import LatencyModel
-from cluster.planning.load_run import (compact_record, fit_samples, load_residuals, load_samples, run_load,
+from loadgen.metrics import summarize
+from loadgen.workloads import Workload, build_workload, materialize_prompts
+from planning.latency import LatencyModel
+from planning.load_run import (compact_record, fit_samples, load_residuals, load_samples, run_load,
                                         with_load)
 
 FIGURES = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"),
@@ -96,9 +96,9 @@ def predict(case: Case, lm: LatencyModel, model: str, dtype: str, transport: str
     """The simulator's figures for the case; with `dispersion` (residuals of load runs,
     `dispersion.pool`), TTFT and TPOT as their expectation over one run's per-request spread
     (`dispersion.disperse_summary`; the simulator's own under summary["deterministic"])."""
-    from cluster.planning.dispersion import disperse_summary
-    from cluster.planning.sim_config import sim_cluster
-    from cluster.planning.simulator import simulate
+    from planning.dispersion import disperse_summary
+    from planning.sim_config import sim_cluster
+    from planning.simulator import simulate
 
     cluster = sim_cluster(case_config(case, model, dtype, transport), profile=lm, max_model_len=max_model_len)
     res = simulate(cluster, case_workload(case, max_model_len))
@@ -125,8 +125,8 @@ def measure_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transp
     (`load_run.load_workload`). Simulated with the calibrated model and compared request by
     request with what it measured, it gives what a staggered load costs beyond the calibration
     (`load_run.fit_load`; its samples are returned for `validate` to pool over repeats)."""
-    from bench.serve.client import model_info, run_benchmark
-    from cluster.planning import serving_profile
+    from loadgen.client import model_info, run_benchmark
+    from planning import serving_profile
     from cluster.runtime import Cluster
 
     wl = case_workload(case, max_model_len)
@@ -198,7 +198,7 @@ def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, tra
     (docs/capacity-planning.md). Each repeat's own fit stays in its calibration ("load").
     With `disperse`, the predicted TTFT and TPOT figures are expectations over the per-request
     spread the load runs showed beyond the fitted model (`dispersion`; pooled over repeats)."""
-    from cluster.planning import dispersion
+    from planning import dispersion
 
     out = []
     for i, case in enumerate(cases):

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.planning.latency import LatencyModel
+from planning.latency import LatencyModel
 
 
 @dataclass(slots=True, eq=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cluster.planning.validate import CASES
+    from planning.validate import CASES
 
     p.add_argument("--model", default="bench", help="built-in preset or checkpoint folder (default bench)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "case's repeats)")
     p.add_argument("--no-dispersion", action="store_true",
                    help="compare the simulator's own TTFT/TPOT figures (default: their expectation over the "
-                        "per-request spread the load runs showed beyond the model, cluster/planning/dispersion.py)")
+                        "per-request spread the load runs showed beyond the model, planning/dispersion.py)")
     p.add_argument("--load-requests", type=int,
                    help=">= 4 requests in the load run (default: the case's rate x 60 s, at least 24)")
     p.add_argument("--json", default="validate.json", help="every figure, both sides, per case")
@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from cluster.planning.latency import LatencyModel
-    from cluster.planning.validate import CASES, TARGET, predict, validate
+    from planning.latency import LatencyModel
+    from planning.validate import CASES, TARGET, predict, validate
 
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in CASES]
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.load_requests is not None and args.load_requests < 4:
         print(f"pdcluster plan validate: --load-requests must be >= 4, got {args.load_requests}", file=sys.stderr)
         return 2
-    from bench.serve.workloads import KINDS
+    from loadgen.workloads import KINDS
 
     if args.dataset is not None and args.dataset not in KINDS:
         print(f"pdcluster plan validate: --dataset must be one of {', '.join(KINDS)}, got {args.dataset!r}",
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         lm = LatencyModel.load(args.profile)
     else:
-        from cluster.planning.profile import profile_engine
+        from planning.profile import profile_engine
 
         res = profile_engine(args.model, args.dtype, transports=(args.transport,))
         Path(args.profile_out).write_text(json.dumps(res, indent=2))
