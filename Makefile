@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup kernels demo test test-slow proto bench-engine clean
+.PHONY: setup kernels demo test test-slow proto bench-engine docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-slow: $(STAMP) kernels
 
 bench-engine: $(STAMP)
 	$(BIN)/pdcluster bench engine --json bench-engine.json
+
+# docs/configuration.md is generated from cluster/config.py's models (a unit test fails while it is
+# stale). Written to a temporary file first, so a failed render leaves the committed page as it was.
+docs: $(STAMP)
+	$(BIN)/python -m cluster.config_doc > docs/configuration.md.tmp || { rm -f docs/configuration.md.tmp; exit 1; }
+	mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -26,10 +26,13 @@ class _Strict(BaseModel):
 
 
 class ResourceShape(_Strict):
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per replica")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica")
-    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. H100 or A10G")
-    custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for each replica; fractions allowed")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved for each replica; 0 asks for none")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type each replica must run on, e.g. "
+                                                           "H100 or A10G; null: any node")
+    custom: dict[str, float] = Field(default_factory=dict,
+                                     description="extra custom Ray resources per replica, name to amount (e.g. "
+                                                 "{prefill_node: 1}), to pin a pool to nodes that offer them")
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.num_cpus, **self.custom}
@@ -41,18 +44,36 @@ class ResourceShape(_Strict):
 
 
 class EngineSettings(_Strict):
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="TP degree (only 1 is served yet)")
-    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
-    num_pages: int | None = Field(None, ge=1, description="KV page budget (default: from memory)")
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    dtype: str | None = Field(None, description="float32 (CPU default), bfloat16, float16")
+    tensor_parallel_size: int = Field(1, ge=1, le=1, description="tensor-parallel degree of one replica; only 1 "
+                                                                 "is supported so far")
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache page; prefix-aware routing hashes "
+                                                          "prompt blocks at the prefill pool's page size")
+    num_pages: int | None = Field(None, ge=1, description="KV cache size of one replica, in pages; null: derived "
+                                                          "from the engine's default KV memory budget, capped at "
+                                                          "max_num_seqs sequences of max_model_len tokens")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one engine step (one token per "
+                                                                "decoding sequence plus prefill chunks); longer "
+                                                                "prompts are prefilled in chunks")
+    max_num_seqs: int = Field(64, ge=1, description="most sequences one replica runs in its batch at a time")
+    max_model_len: int | None = Field(None, ge=2, description="longest sequence (prompt plus generated tokens), in "
+                                                              "tokens; null: the model's max_position_embeddings; "
+                                                              "the router enforces the smallest value of all pools")
+    dtype: str | None = Field(None, description="weights and KV cache dtype: float32, bfloat16 or float16 (also "
+                                                "fp32, bf16, fp16); null: float32 on CPU, bfloat16 on GPU; "
+                                                "checked when the worker starts")
     attention_backend: Literal["auto", "cpu", "torch", "flashinfer"] = Field(
-        "auto", description="auto: flashinfer on CUDA where installed, the compiled CPU kernel on CPUs, else torch")
-    local_prefill_threshold: int = Field(0, ge=0, description="decode: prefill here below this many uncached tokens")
-    reserve_pages: int = Field(0, ge=0, description="decode: pages kept free for the running batch")
-    on_transfer_failure: Literal["fail", "reprefill"] = "fail"
+        "auto", description="attention kernels; auto: flashinfer on CUDA where installed, the compiled CPU kernel "
+                            "on CPUs, else torch; the other values force one")
+    local_prefill_threshold: int = Field(0, ge=0, description="decode pools: a prompt with fewer uncached tokens "
+                                                              "than this is prefilled on the decode worker, without "
+                                                              "a transfer; 0: never; ignored by other roles")
+    reserve_pages: int = Field(0, ge=0, description="decode pools: KV pages kept free for the running batch when "
+                                                    "admitting a transferred prompt; prompts that do not fit wait "
+                                                    "in a FIFO queue")
+    on_transfer_failure: Literal["fail", "reprefill"] = Field(
+        "fail", description="decode pools: what a failed KV transfer (deadline, lost prefill worker, refusal) "
+                            "does; fail: the request ends with finish_reason error; reprefill: the decode worker "
+                            "prefills it itself")
 
     def engine_kwargs(self) -> dict:
         kw = dict(page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -64,39 +85,67 @@ class EngineSettings(_Strict):
 
 
 class PoolConfig(_Strict):
-    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
-    role: Literal["prefill", "decode", "colocated"]
-    replicas: int = Field(1, ge=1, le=256)
-    resources: ResourceShape = Field(default_factory=ResourceShape)
-    engine: EngineSettings = Field(default_factory=EngineSettings)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9-]{0,39}$",
+                      description="pool name, unique in the config: up to 40 lowercase letters, digits and "
+                                  "hyphens, not starting with a hyphen; workers are named NAME-INDEX")
+    role: Literal["prefill", "decode", "colocated"] = Field(
+        ..., description="prefill: builds prompts' KV and sends it to a decode pool; decode: receives the KV and "
+                         "generates; colocated: does both on one worker, with no transfer")
+    replicas: int = Field(1, ge=1, le=256, description="number of workers in the pool")
+    resources: ResourceShape = Field(default_factory=ResourceShape,
+                                     description="Ray resources reserved for each replica")
+    engine: EngineSettings = Field(default_factory=EngineSettings,
+                                   description="engine settings of every replica in the pool")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement group strategy for the pool (one bundle per replica): PACK prefers few "
+                            "nodes, SPREAD distinct nodes; STRICT_PACK requires one node, STRICT_SPREAD a "
+                            "different node per replica")
 
 
 class TransportSettings(_Strict):
-    kind: Literal["nixl", "grpc"] = "nixl"
-    deadline_s: float = Field(30.0, gt=0, description="whole KV transfer of one request, from the prefill's start")
-    begin_timeout_s: float = Field(300.0, gt=0, description="how long a decode worker's reserved pages wait for "
-                                                            "the prefill to start sending (queueing in the prefill pool)")
+    kind: Literal["nixl", "grpc"] = Field(
+        "nixl", description="how KV moves from prefill to decode workers: nixl (NIXL over UCX, RDMA where the "
+                            "network has it) or grpc (chunked gRPC streams); colocated pools transfer nothing")
+    deadline_s: float = Field(30.0, gt=0, description="seconds the whole KV transfer of one request may take, "
+                                                      "counted from the start of the send; one still running "
+                                                      "then fails")
+    begin_timeout_s: float = Field(300.0, gt=0, description="seconds a decode worker's reserved pages wait for "
+                                                            "the prefill to start sending (covers queueing in the "
+                                                            "prefill pool)")
 
 
 class RouterSettings(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
-    policy: Literal["round-robin", "least-loaded", "prefix-aware"] = "prefix-aware"
-    max_inflight: int = Field(64, ge=1)
-    max_queue: int = Field(256, ge=0)
-    max_prefill_attempts: int = Field(2, ge=1, le=8)
-    num_cpus: float = Field(1.0, ge=0)
+    host: str = Field("127.0.0.1", description="address the router's gRPC server binds to; 0.0.0.0 listens on "
+                                                "every interface")
+    port: int = Field(50051, ge=0, le=65535, description="TCP port of the router's gRPC server; 0 picks a free port")
+    policy: Literal["round-robin", "least-loaded", "prefix-aware"] = Field(
+        "prefix-aware", description="request placement; round-robin: in turn, ignoring load; least-loaded: decode "
+                                    "worker with fewest requests in flight, prefill worker with fewest queued "
+                                    "tokens; prefix-aware: prefill worker believed to cache the longest prompt "
+                                    "prefix, decode as least-loaded")
+    max_inflight: int = Field(64, ge=1, description="requests running at once across all pools; more wait in the "
+                                                    "admission queue")
+    max_queue: int = Field(256, ge=0, description="requests that may wait for a running slot; beyond that a new "
+                                                  "request is refused with RESOURCE_EXHAUSTED; 0: no waiting")
+    max_prefill_attempts: int = Field(2, ge=1, le=8, description="prefill tries per request, each on a different "
+                                                                 "prefill worker, before it fails with UNAVAILABLE")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for the router actor")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics port on the router host; 0 picks a free one, "
-                                                 "None (default) serves no metrics")
+                                                 "null serves no metrics; `pdcluster serve` replaces it with "
+                                                 "--metrics-port (default 9464, -1: off)")
 
 
 class ClusterConfig(_Strict):
-    model: str = Field("small", description="checkpoint folder or built-in name (tiny, small, qwen3-small, ...)")
-    transport: TransportSettings = Field(default_factory=TransportSettings)
-    router: RouterSettings = Field(default_factory=RouterSettings)
-    pools: list[PoolConfig]
+    model: str = Field("small", description="model to serve: a checkpoint folder, or a built-in name PRESET or "
+                                            "ARCH-PRESET (e.g. tiny, small, qwen3-small)")
+    transport: TransportSettings = Field(default_factory=TransportSettings,
+                                         description="how prefill workers send KV to decode workers")
+    router: RouterSettings = Field(default_factory=RouterSettings,
+                                   description="the router: gRPC endpoint, placement policy, admission limits")
+    pools: list[PoolConfig] = Field(..., description="worker pools; at least one decode or colocated pool, a "
+                                                     "prefill pool needs a decode pool and the reverse, names "
+                                                     "unique")
 
     @model_validator(mode="after")
     def _pools_make_a_cluster(self) -> ClusterConfig:
