@@ -9,22 +9,18 @@
   A hit compares the page's token ids, so a hash collision can never serve wrong KV.
 - Free pages count as free whether or not they hold cached data: after every request is
   finished, `num_free_pages == num_pages`.
+- Pages never handed out are counted, not listed: the first allocation of page p extends the
+  per-page lists to p, so a pool's cost follows the pages it has used, not its size (the
+  simulator's pools with unbounded memory have a billion pages).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 
 class OutOfPagesError(RuntimeError):
     pass
-
-
-@dataclass(slots=True)
-class _CachedPage:
-    block_hash: int
-    token_ids: tuple[int, ...]
 
 
 class BlockPool:
@@ -33,17 +29,17 @@ class BlockPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_pages
-        self._free_plain: list[int] = list(range(num_pages - 1, -1, -1))  # stack: pop() gives page 0 first
+        self.ref_counts: list[int] = []  # per page handed out so far (pages 0 .. len - 1)
+        self._free_plain: list[int] = []  # freed pages holding nothing to keep, a stack
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._page_info: list[_CachedPage | None] = [None] * num_pages
+        self._page_info: list[tuple[int, tuple[int, ...]] | None] = []  # (block hash, tokens) per page used
         self._by_hash: dict[int, int] = {}
         self.queries = 0  # pages looked up in the prefix cache
         self.hits = 0
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return len(self._free_plain) + len(self._free_cached) + self.num_pages - len(self.ref_counts)
 
     @property
     def num_cached_pages(self) -> int:
@@ -57,6 +53,10 @@ class BlockPool:
         for _ in range(n):
             if self._free_plain:
                 page = self._free_plain.pop()
+            elif len(self.ref_counts) < self.num_pages:  # the next page never used
+                page = len(self.ref_counts)
+                self.ref_counts.append(0)
+                self._page_info.append(None)
             else:
                 page, _ = self._free_cached.popitem(last=False)
                 self._evict(page)
@@ -89,8 +89,21 @@ class BlockPool:
             return
         if block_hash in self._by_hash:  # same content already cached in another page
             return
-        self._page_info[page] = _CachedPage(block_hash, tuple(token_ids))
+        self._page_info[page] = (block_hash, tuple(token_ids))
         self._by_hash[block_hash] = page
+
+    def cache_pages(self, pages: Sequence[int], hashes: Sequence[int], token_ids: Sequence[int], first: int,
+                    end: int, page_size: int) -> None:
+        """`cache_page` for pages[first:end], whose tokens are token_ids[i * page_size:][:page_size]
+        (a long prompt registers hundreds of pages at once)."""
+        if not self.enable_prefix_caching:
+            return
+        info, by_hash = self._page_info, self._by_hash
+        for i in range(first, end):
+            page, block_hash = pages[i], hashes[i]
+            if info[page] is None and block_hash not in by_hash:
+                info[page] = (block_hash, tuple(token_ids[i * page_size:(i + 1) * page_size]))
+                by_hash[block_hash] = page
 
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
         """The page holding exactly these tokens under this chained hash, or None."""
@@ -99,7 +112,7 @@ class BlockPool:
         if page is None:
             return None
         info = self._page_info[page]
-        if info is None or info.token_ids != tuple(token_ids):
+        if info is None or info[1] != tuple(token_ids):
             return None
         self.hits += 1
         return page
@@ -115,5 +128,5 @@ class BlockPool:
         info = self._page_info[page]
         if info is not None:
             self._page_info[page] = None
-            if self._by_hash.get(info.block_hash) == page:
-                del self._by_hash[info.block_hash]
+            if self._by_hash.get(info[0]) == page:
+                del self._by_hash[info[0]]

@@ -59,30 +59,39 @@ class KVCacheManager:
     def allocate(self, seq: PagedSequence, num_new_tokens: int, cached_pages: list[int] = ()) -> bool:
         """Give `seq` pages for `num_new_tokens` beyond what it has computed (after taking
         `cached_pages` as its prefix). All or nothing: False, with no change, if pages are short."""
-        have = len(seq.pages) + len(cached_pages)
-        need = pages_for(seq.num_computed_tokens + len(cached_pages) * self.page_size + num_new_tokens, self.page_size)
+        ps = self.page_size
+        have = len(seq.pages)
+        if not cached_pages:  # the common case, once per running request and step
+            need = -(-(seq.num_computed_tokens + num_new_tokens) // ps)
+            if need <= have:
+                return True
+            if need - have > self.pool.num_free_pages:
+                return False
+            seq.pages.extend(self.pool.allocate(need - have))
+            return True
+        have += len(cached_pages)
+        need = pages_for(seq.num_computed_tokens + len(cached_pages) * ps + num_new_tokens, ps)
         # Cached pages sitting in the free queue stop being free once referenced.
         cached_free = sum(1 for p in cached_pages if self.pool.ref_counts[p] == 0)
         if need - have > self.pool.num_free_pages - cached_free:
             return False
-        if cached_pages:
-            self.pool.touch(cached_pages)
-            seq.pages.extend(cached_pages)
+        self.pool.touch(cached_pages)
+        seq.pages.extend(cached_pages)
         if need > have:
             seq.pages.extend(self.pool.allocate(need - have))
         return True
 
     def cache_full_pages(self, seq: PagedSequence) -> None:
         """Register pages whose tokens are all computed so later requests can reuse them."""
-        if not self.pool.enable_prefix_caching:
-            return
         full = seq.num_computed_tokens // self.page_size
+        done = seq.num_cached_pages_registered
+        if full <= done or not self.pool.enable_prefix_caching:
+            return  # most steps: the decoded token did not fill a page
+        ps = self.page_size
         tokens = seq.all_token_ids
         if len(seq.block_hashes) < full:
-            seq.block_hashes = page_hashes(tokens[: full * self.page_size], self.page_size, seq.block_hashes)
-        ps = self.page_size
-        for i in range(seq.num_cached_pages_registered, full):
-            self.pool.cache_page(seq.pages[i], seq.block_hashes[i], tokens[i * ps : (i + 1) * ps])
+            seq.block_hashes = page_hashes(tokens[: full * ps], ps, seq.block_hashes)
+        self.pool.cache_pages(seq.pages, seq.block_hashes, tokens, done, full, ps)
         seq.num_cached_pages_registered = full
 
     def free(self, seq: PagedSequence) -> None:

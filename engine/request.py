@@ -26,11 +26,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,16 +84,14 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     _emitted_tokens: int = 0
     _pending_text: str = ""
+    num_prompt_tokens: int = field(init=False, default=0)  # the prompt never changes: kept, not counted
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +107,8 @@ class Request:
 
     def append_token(self, token_id: int, logprobs=None) -> None:
         """Record a sampled token and decide whether the request is done."""
-        self.all_token_ids.append(token_id)
+        tokens = self.all_token_ids
+        tokens.append(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
         if self.metrics.first_token_time is None:
@@ -120,9 +121,9 @@ class Request:
         p = self.params
         if not p.ignore_eos and token_id in self.eos_token_ids:
             self._finish(RequestStatus.FINISHED_STOPPED, None)
-        elif token_id in p.stop_token_ids:
+        elif p.stop_token_ids and token_id in p.stop_token_ids:
             self._finish(RequestStatus.FINISHED_STOPPED, token_id)
-        elif self.num_output_tokens >= p.max_tokens or self.num_tokens >= self.max_total_tokens:
+        elif len(tokens) - self.num_prompt_tokens >= p.max_tokens or len(tokens) >= self.max_total_tokens:
             self._finish(RequestStatus.FINISHED_LENGTH, None)
 
     def abort(self) -> None:

@@ -22,6 +22,9 @@ The request states this module moves (engine/request.py draws them all):
                `release`
 A request whose last prompt chunk is scheduled and whose KV goes elsewhere (`kv_destinations`)
 starts its send here (`KVConnector.start_save`); a send that cannot start fails the request.
+
+No torch here (nor in request.py, kv_cache_manager.py, block_pool.py): the capacity planner's
+simulator runs this scheduler itself, with step times instead of a model.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from dataclasses import dataclass, field
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector
 from engine.request import Request, RequestStatus
-from engine.sampler import skip_draw
+
+_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 
 @dataclass(slots=True)
@@ -158,65 +162,68 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self._join_ready(batch)
+        if self.ready:
+            self._join_ready(batch)
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
+        decodes: list[tuple[Request, int]] = []  # decode-shaped (one token) go first, order kept
+        others: list[tuple[Request, int]] = []
+        allocate = self.kv.allocate
+        running = self.running
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            while not allocate(req, n):
+                victim = running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                chosen.append((req, n))
+                (decodes if n == 1 else others).append((req, n))
                 budget -= n
                 i += 1
                 continue
             break  # req itself was preempted: every request after it is gone too
 
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            page_size = self.kv.page_size
+            while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-                n = min(req.num_tokens - req.num_computed_tokens - len(cached) * self.kv.page_size, budget)
-                if not self.kv.allocate(req, n, cached):
+                n = min(len(req.all_token_ids) - req.num_computed_tokens - len(cached) * page_size, budget)
+                if not allocate(req, n, cached):
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = len(cached) * self.kv.page_size
+                    req.num_cached_tokens = len(cached) * page_size
                     req.metrics.first_scheduled_time = time.monotonic()
-                req.num_computed_tokens += len(cached) * self.kv.page_size
+                req.num_computed_tokens += len(cached) * page_size
                 req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                chosen.append((req, n))
+                running.append(req)
+                (decodes if n == 1 else others).append((req, n))
                 budget -= n
 
-        chosen.sort(key=lambda rn: rn[1] != 1)  # stable: decode-shaped first, order kept
-        for req, n in chosen:
-            if req.kv_destinations and self._starts_save(req, n):
-                error = self.connector.start_save(req)
-                if error is not None:
-                    self.finish(req, error)
-                    batch.failed.append(req)
-                    continue
-                batch.saving.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(n)
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        requests, num_new = batch.requests, batch.num_new_tokens
+        for req, n in decodes + others:
+            computed, prompt = req.num_computed_tokens, req.num_prompt_tokens
+            if computed < prompt:
+                if req.kv_destinations and computed + n == prompt and req.num_output_tokens == 0:
+                    # its last prompt chunk (not after a preemption: its KV was sent when first computed)
+                    error = self.connector.start_save(req)
+                    if error is not None:
+                        self.finish(req, error)
+                        batch.failed.append(req)
+                        continue
+                    batch.saving.append(req)
+                self.num_computed_prompt_tokens += min(n, prompt - computed)
+            requests.append(req)
+            num_new.append(n)
+        batch.num_decodes = sum(1 for n in num_new if n == 1)
         return batch
-
-    @staticmethod
-    def _starts_save(req: Request, n: int) -> bool:
-        """This step computes the last prompt token of a request not yet sampled (so not after
-        a preemption: its KV was sent when first computed)."""
-        return req.num_computed_tokens + n == req.num_prompt_tokens and req.num_output_tokens == 0
 
     def _join_ready(self, batch: ScheduledBatch) -> None:
         while self.ready and len(self.running) < self.max_num_seqs:
@@ -224,7 +231,10 @@ class Scheduler:
             req.num_computed_tokens = req.num_prompt_tokens
             req.num_cached_tokens = 0
             req.metrics.first_scheduled_time = time.monotonic()
-            skip_draw(req.generator)  # the one uniform the sampling side drew for this token
+            if req.generator is not None:
+                from engine.sampler import skip_draw  # torch: only a seeded request needs it
+
+                skip_draw(req.generator)  # the one uniform the sampling side drew for this token
             req.append_token(first_token)
             batch.joined.append(req)
             if req.status.finished:
@@ -246,16 +256,17 @@ class Scheduler:
         Returns every request whose output changed (finished ones included). A request that
         ended while the step ran (a send that failed at its finish) is skipped."""
         changed = []
+        cache_full_pages = self.kv.cache_full_pages
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.status.finished:
+            if req.status >= _FINISHED:
                 continue
             req.num_computed_tokens += n
-            self.kv.cache_full_pages(req)
-            if req in sampled:
-                token, logprobs = sampled[req]
-                req.append_token(token, logprobs)
+            cache_full_pages(req)
+            out = sampled.get(req)
+            if out is not None:
+                req.append_token(out[0], out[1])
                 changed.append(req)
-                if req.status.finished:
+                if req.status >= _FINISHED:
                     self.running.remove(req)
                     self.retire(req)
         return changed

@@ -1,40 +1,44 @@
-"""One simulated worker: the engine's continuous batching, in step times instead of tensors.
+"""One simulated worker: the engine's own scheduler, with step times instead of tensors.
 
-`EngineSim` follows `engine.scheduler.Scheduler` rule for rule, so the simulator sees the same
-batches the real worker builds: each step has a token budget; running requests go first, in
-arrival order (a decoding request takes one token, one still prefilling takes a chunk of what
-is left); then waiting requests are admitted oldest first while budget, sequence slots and
-pages last, each first taking its longest cached prefix. A running request that needs a page
-when none is free preempts the most recently arrived running request, which goes back to the
-front of the queue and is recomputed from all its tokens (prompt and output so far).
+`EngineSim` runs `engine.scheduler.Scheduler` over an `engine.kv_cache_manager.KVCacheManager`,
+exactly the objects a served worker runs, and replaces only the model: a step takes the time
+the pool's `LatencyModel` gives for the batch the scheduler built (the timing-only runner). So
+continuous batching, chunked prefill, the page budget, preemption by recompute, the prefix
+cache (with its LRU eviction), remote-KV joins and pages held for a transfer behave in the
+simulation as they do when serving, and a scheduler change reaches both at once.
 
-A request's tokens: `num_tokens` (prompt plus sampled output) and `computed` (tokens whose KV
-is in this worker's pages). A step runs `num_tokens - computed` (or a chunk of it); when a
-request's `computed` reaches `num_tokens` a token is sampled. That one rule covers a prefill
-(its first token), a decode step, a recompute after preemption, and a request that arrives
-with its prompt KV already transferred (`join`).
+Each simulated request (`SimRequest`, the cluster-wide record: arrival, placement, token times)
+becomes an engine `Request` on every worker that holds it, with synthetic token ids: a shared
+prefix block's tokens are derived from its chained key, so prompts that share blocks share
+pages and hash to the same prefix-cache entries, and every other token is unique to its
+request. A prefill worker's requests run to their first token and carry a destination, so the
+scheduler holds their pages after they finish until the simulator's transfer ends
+(`release_held`), through the engine's own KV connector contract (`_TransferHold`).
 
-Prefix cache: Mooncake-style block ids (`SimRequest.block_keys`, each the chained key of a
-prompt's first k blocks) are what can be shared; the cache is an LRU of block keys, each
-costing the pages it covers, plus one entry for each request's unshared pages, capped at the
-pages not held by running requests. Pages a request reuses still count against the pool
-(as in the engine, a hit saves compute, not memory).
-
-The step time is the pool's `LatencyModel.step_time`, times `1 + load_base` for a step that only
-decodes and `1 + load_per_stream` per decoding sequence past the first (what a served worker pays
-under staggered load beyond its calibrated step), times `slowdown(prefills, span)` (neighbours on
-the same host's cores prefilling or decoding slow this worker down, a step that prefills by its
-own factor; a neighbour's streams count for the share of the step they are expected to go on
-decoding, `decoding_over`). What the worker does with
-a request that reached its first token or finished is its owner's business (`on_sampled`).
+The step time is the pool's `LatencyModel.step_time` for the batch's prefill chunks (new tokens,
+cached or computed prefix) and decode count and context, times `1 + load_base` for a step that
+only decodes and `1 + load_per_stream` per decoding sequence past the first (what a served
+worker pays under staggered load beyond its calibrated step), times `slowdown(prefills, span)`:
+neighbours on the same host's cores prefilling or decoding slow this worker down, a neighbour's
+streams counting for the share of the step they are expected to go on decoding
+(`decoding_over`). What the owner does when a request samples its first or last token here is
+the `on_sampled` callback's business.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.block_hash import page_hashes
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector, KVEvent
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
 from planning.latency import LatencyModel
+
+_PRIVATE = 1 << 40   # token ids of a request's unshared tokens start here (shared ones stay below)
+_SENT = ("sim",)     # a prefill request's destination: the simulator moves its KV
 
 
 @dataclass(slots=True, eq=False)
@@ -45,11 +49,7 @@ class SimRequest:
     output_len: int
     block_keys: tuple = ()       # chained keys of the shared prefix blocks, in order
     block_tokens: int = 0        # tokens per shared block
-    # progress on the worker that holds it now
-    num_tokens: int = 0
-    computed: int = 0
-    pages: int = 0
-    generated: int = 0
+    generated: int = 0           # tokens sampled so far, on whichever worker
     cached: int = -1             # prompt tokens served by the prefix cache (first admission)
     # where and when (absolute simulated seconds)
     token_times: list = field(default_factory=list)
@@ -67,9 +67,40 @@ class SimRequest:
     dest_pages: int = 0          # pages reserved on the decode worker while the prefill runs
     kv_bytes: int = 0
     page_keys: tuple = ()        # the router's hashes of its shared full pages (prefix-aware placement)
+    _prompt: list | None = None  # token ids, made once for all the workers that hold it
+    _hashes: dict = field(default_factory=dict)  # page size -> the prompt's chained page hashes
 
-    def __post_init__(self) -> None:
-        self.num_tokens = self.prompt_len
+    def token_ids(self) -> list[int]:
+        """The prompt as token ids: each shared block's from its key, the rest unique to it."""
+        if self._prompt is None:
+            ids: list[int] = []
+            for key in self.block_keys:
+                base = (key + 1) * self.block_tokens
+                ids.extend(range(base, base + self.block_tokens))
+            ids = ids[: self.prompt_len]
+            ids.extend([_PRIVATE + self.index] * (self.prompt_len - len(ids)))
+            self._prompt = ids
+        return self._prompt
+
+    def page_hashes(self, page_size: int) -> list[int]:
+        """The prompt's chained page hashes, once per page size (the prefill and the decode worker
+        would each hash their own copy, to the same values). Pages within the shared blocks get
+        the engine's own hashes (engine.block_hash); a page with any token of this request's own
+        can never match another request's, so it gets a cheap value unique to the request."""
+        hashes = self._hashes.get(page_size)
+        if hashes is None:
+            shared_pages = min(len(self.block_keys) * self.block_tokens, self.prompt_len) // page_size
+            hashes = page_hashes(self.token_ids()[: shared_pages * page_size], page_size)
+            own = (_PRIVATE + self.index) << 24
+            hashes += range(own + shared_pages, own + self.prompt_len // page_size)
+            self._hashes[page_size] = hashes
+        return hashes
+
+    def forget_prompt(self) -> None:
+        """Drop the token ids and hashes once no worker needs them (an hour of long prompts would
+        otherwise keep gigabytes of them)."""
+        self._prompt = None
+        self._hashes = {}
 
 
 @dataclass(slots=True)
@@ -88,44 +119,53 @@ class EngineLimits:
         return -(-tokens // self.page_size)
 
 
-class PrefixLRU:
-    """Block keys (and per-request private entries) -> pages they cover, least recent first."""
+class _TransferHold(KVConnector):
+    """The scheduler side of a connector that moves nothing: a request with a destination keeps
+    its pages after it finishes, until the simulator says its transfer ended."""
 
-    __slots__ = ("entries", "pages")
+    def register_kv_caches(self, kv_caches: list) -> None:
+        pass
 
-    def __init__(self) -> None:
-        self.entries: OrderedDict = OrderedDict()
-        self.pages = 0
+    def check(self, req: Request) -> None:
+        pass
 
-    def match(self, keys: tuple) -> int:
-        """How many leading keys are cached; touches them."""
-        n = 0
-        for k in keys:
-            if k not in self.entries:
-                break
-            self.entries.move_to_end(k)
-            n += 1
-        return n
+    def start_save(self, req: Request) -> str | None:
+        return None
 
-    def insert(self, key, pages: int, capacity: int) -> None:
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
-        self.entries[key] = pages
-        self.pages += pages
-        self.shrink(capacity)
+    def prepare_receive(self, req: Request) -> object:
+        return None
 
-    def shrink(self, capacity: int) -> None:
-        while self.pages > max(capacity, 0) and self.entries:
-            _, p = self.entries.popitem(last=False)
-            self.pages -= p
+    def request_finished(self, req: Request) -> bool:
+        return bool(req.kv_destinations) and req.status != RequestStatus.FINISHED_ABORTED
+
+    def cancel(self, req: Request) -> None:
+        pass
+
+    def save_layer(self, layer: int) -> None:
+        pass
+
+    def finish_save(self, req: Request, first_token: int) -> str | None:
+        return None
+
+    def take_events(self) -> list[KVEvent]:
+        return []
+
+    @property
+    def has_events(self) -> bool:
+        return False
+
+    def set_wakeup(self, fn: Callable[[], None]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(slots=True)
 class _Step:
     start: float
     end: float
-    scheduled: list  # (request, new tokens)
+    batch: ScheduledBatch
     prefills: bool = False  # any prompt tokens in it (what slows a neighbour down)
     decodes: int = 0        # sequences decoding in it (what slows a neighbour down under load)
 
@@ -133,14 +173,16 @@ class _Step:
 class EngineSim:
     """A worker's engine. `on_sampled(worker, request, now)` is called when a request samples
     its first token here (from its prompt) or its last (`output_len` reached), after the step's
-    bookkeeping; it returns True to keep the request running (decode on), False when the owner
-    took it out (finished, or handed off). Tokens in between only append to `token_times`: a
-    simulated hour samples millions of them, and the owner has nothing to do for those."""
+    bookkeeping. Tokens in between only append to `token_times`: a simulated hour samples
+    millions of them, and the owner has nothing to do for those."""
 
     def __init__(self, name: str, role: str, latency: LatencyModel, limits: EngineLimits,
-                 on_sampled: Callable[[EngineSim, SimRequest, float], bool]) -> None:
+                 on_sampled: Callable[[EngineSim, SimRequest, float], None]) -> None:
         self.name, self.role, self.latency, self.limits = name, role, latency, limits
         self.on_sampled = on_sampled
+        self._requests: dict[str, SimRequest] = {}  # engine request id -> the simulated request
+        self._engine: dict[int, Request] = {}        # simulated request index -> its engine request here
+        self.prefix_caching(True)
         # x step time from neighbours busy on the same host, given whether the step prefills and
         # how long it would take (set by the owner; None = alone)
         self.slowdown: Callable[[bool, float], float] | None = None
@@ -149,11 +191,6 @@ class EngineSim:
         self.load_per_stream = 0.0
         # x (1 + this) on a step that only decodes: what a lone stream pays under that load
         self.load_base = 0.0
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.arrived: deque[SimRequest] = deque()  # KV here, waiting for a sequence slot
-        self.free_pages = limits.num_pages
-        self.cache = PrefixLRU()
         self.step: _Step | None = None
         self.last_step_start = 0.0
         self.last_step_s = 0.0
@@ -163,177 +200,136 @@ class EngineSim:
         self.steps = 0
         self.batched_tokens = 0
         self.decode_seqs = 0
-        self.preemptions = 0
         self.cached_tokens = 0
-        self.computed_prompt_tokens = 0
 
-    # ---- what the owner calls ---------------------------------------------------------------
+    def prefix_caching(self, enabled: bool) -> None:
+        """A fresh engine, with or without the prefix cache. The owner turns it off for a
+        workload without shared prefix blocks: no page can ever hit, so the cache changes no
+        decision, and hashing every page of an hour's prompts is most of a simulation's time."""
+        self.kv = KVCacheManager(self.limits.num_pages, self.limits.page_size, enable_prefix_caching=enabled)
+        self.scheduler = Scheduler(self.kv, self.limits.max_num_batched_tokens, self.limits.max_num_seqs,
+                                   _TransferHold())
+        self._requests.clear()
+        self._engine.clear()
+
+    # ---- what the owner reads ---------------------------------------------------------------
     @property
     def busy(self) -> bool:
         return self.step is not None
+
+    @property
+    def free_pages(self) -> int:
+        return self.kv.num_free_pages
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.scheduler.num_computed_prompt_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished
 
     # What slows a neighbour down, asked when the neighbour starts a step: this worker's step in
     # flight or, between two of its steps (an instant: a worker with work starts the next one
     # then), the step it is about to start. A disaggregated prefill is dispatched at the end of a
     # decode step (the decode worker takes calls between steps), so asking only for the step in
-    # flight never saw the streams that decode beside it.
+    # flight would never see the streams that decode beside it.
     @property
     def prefilling(self) -> bool:
         if self.step is not None:
             return self.step.prefills
-        return bool(self.waiting) or any(r.computed < r.prompt_len for r in self.running)
+        sched = self.scheduler
+        return bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
 
     @property
     def decoding(self) -> int:
         if self.step is not None:
             return self.step.decodes
-        return sum(r.computed >= r.prompt_len for r in self.running) + len(self.arrived)
+        sched = self.scheduler
+        return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) + len(sched.ready)
 
     def decoding_over(self, span: float) -> float:
         """Streams decoding here, averaged over the next `span` seconds: each counts for the share
-        of the span its remaining tokens last at this worker's latest step time. A neighbour's
-        long prefill step (hundreds of ms) used to pay for a stream that finished a few steps
-        into it as if it decoded throughout (the twentieth validation run: a 1,110-token prompt
-        arriving 40 ms before a neighbour's stream ended predicted at 200-235 ms, measured
-        145-203); the load fit reads streams the same way, time-averaged over the prompt's TTFT
-        (load_run.request_samples). Streams that will join later are not foreseen."""
+        of the span its remaining tokens last at this worker's latest step time (the load fit reads
+        streams the same way, time-averaged over a prompt's TTFT: load_run.request_samples). A
+        neighbour's long prefill step would otherwise pay for a stream that ends a few steps into
+        it as if it decoded throughout. Streams that will join later are not foreseen."""
         n = self.decoding
-        if not n or span <= 0:
-            return float(n)
         step_s = self.last_step_s
-        if step_s <= 0:
+        if not n or span <= 0 or step_s <= 0:
             return float(n)
         counted = 0.0
-        for r in self.running:
-            if r.computed >= r.prompt_len:
-                counted += min(1.0, max(r.output_len - r.generated, 0) * step_s / span)
-        return min(counted + len(self.arrived), float(n))
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.arrived)
-
-    def add(self, req: SimRequest) -> None:
-        """Queue a request whose prompt must be computed here."""
-        self.waiting.append(req)
-
-    def join(self, req: SimRequest) -> None:
-        """A request whose prompt KV arrived in pages already allocated here, with its first
-        token sampled elsewhere: it joins the batch at the next step with a free sequence slot."""
-        req.computed = req.prompt_len
-        req.num_tokens = req.prompt_len + req.generated
-        self.arrived.append(req)
-
-    def try_reserve(self, pages: int, reserve: int = 0) -> bool:
-        if self.free_pages - pages < reserve:
-            return False
-        self.free_pages -= pages
-        self.cache.shrink(self.free_pages)
-        return True
-
-    def release(self, req: SimRequest) -> None:
-        """Give back a request's pages; its full prompt pages stay findable in the cache."""
-        self.free_pages += req.pages
-        req.pages = 0
-
-    def remember_prompt(self, req: SimRequest) -> None:
-        """The request's prompt pages are now in this worker's prefix cache (LRU)."""
-        ps = self.limits.page_size
-        cap = self.free_pages + req.pages  # pages not held by other requests
-        shared_pages = 0
-        if req.block_keys:
-            per_block = max(req.block_tokens // ps, 0)
-            for k in req.block_keys:
-                self.cache.insert(k, per_block, cap)
-            shared_pages = per_block * len(req.block_keys)
-        private = self.limits.pages_for(req.prompt_len) - shared_pages
-        if private > 0:
-            self.cache.insert(("req", req.index), private, cap)
+        for r in self.scheduler.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                left = r.params.max_tokens - r.num_output_tokens
+                counted += min(1.0, max(left, 0) * step_s / span)
+        return min(counted + len(self.scheduler.ready), float(n))
 
     def cached_prefix_tokens(self, req: SimRequest) -> int:
-        """Tokens of the prompt a new request would take from the cache (full pages, and at
-        least one prompt token left to compute, as the engine does)."""
+        """Prompt tokens a new request would take from this worker's prefix cache now."""
         if not req.block_keys:
             return 0
-        blocks = self.cache.match(req.block_keys)
-        ps = self.limits.page_size
-        tokens = (blocks * req.block_tokens) // ps * ps
-        return min(tokens, (req.prompt_len - 1) // ps * ps)
+        return len(self.kv.find_cached_prefix(self._engine_request(req))) * self.limits.page_size
+
+    # ---- what the owner does ----------------------------------------------------------------
+    def add(self, req: SimRequest) -> None:
+        """Queue a request whose prompt is computed here (a prefill worker's runs to its first
+        token and then holds its pages until `release_held`)."""
+        self.scheduler.add(self._engine_request(req))
+
+    def reserve(self, req: SimRequest, reserve_pages: int = 0) -> bool:
+        """Allocate the pages a request's transferred prompt will fill (keeping `reserve_pages`
+        free); False, with nothing kept, when they are short."""
+        if self.kv.num_free_pages - self.limits.pages_for(req.prompt_len) < reserve_pages:
+            return False
+        eng = self._engine_request(req)
+        if not self.kv.allocate(eng, req.prompt_len):
+            self._forget(eng)
+            return False
+        self.scheduler.add_remote(eng)
+        return True
+
+    def join(self, req: SimRequest) -> None:
+        """The reserved request's KV arrived, with its first token sampled elsewhere: it joins
+        the batch at the next step with a free sequence slot."""
+        self.scheduler.kv_received(self._engine[req.index], 0)
+
+    def drop(self, req: SimRequest) -> None:
+        """End a request here (its pages come back), e.g. a one-token answer whose KV arrived."""
+        eng = self._engine.get(req.index)
+        if eng is not None:
+            self.scheduler.abort(eng)
+            self._forget(eng)
+
+    def release_held(self, req: SimRequest) -> None:
+        """A finished prefill request's transfer ended: its pages come back."""
+        eng = self._engine.get(req.index)
+        if eng is not None and self.scheduler.release(eng):
+            self._forget(eng)
 
     # ---- one step ---------------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
         """Schedule a step if there is work and none is running; returns its end time."""
-        lim = self.limits
-        if self.finishing:
-            return None  # called back from inside finish_step: its owner starts the next step after
-        while self.arrived and len(self.running) < lim.max_num_seqs:
-            self.running.append(self.arrived.popleft())
-        if self.step is not None or not (self.running or self.waiting):
+        if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
+            return None  # (finishing: called back from inside finish_step; its owner starts the next)
+        batch = self.scheduler.schedule()
+        for eng in batch.preempted:
+            self._requests[eng.request_id].preemptions += 1
+        if batch.empty:
             return None
-        ps = lim.page_size
-        budget = lim.max_num_batched_tokens
-        chosen: list = []
-        chunks: list = []
-        add = chosen.append
+        chunks: list[tuple[int, int]] = []
         num_dec = ctx = 0
-        preempted = False
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            computed = req.computed
-            n = req.num_tokens - computed
-            if n > budget:
-                n = budget
-            end = computed + n
-            if end > req.pages * ps:  # the step writes past the pages it holds
-                need = -(-end // ps) - req.pages
-                lost = False
-                while need > self.free_pages:
-                    victim = running.pop()
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        lost = True
-                        break
-                if lost:
-                    break  # req itself was preempted: every request after it is gone too
-                self.free_pages -= need
-                req.pages += need
-            add((req, n))
-            budget -= n
-            if n == 1 and computed >= req.prompt_len:
+        for eng, n in zip(batch.requests, batch.num_new_tokens):
+            computed = eng.num_computed_tokens
+            if n == 1 and computed >= eng.num_prompt_tokens:
                 num_dec += 1
                 ctx += computed + 1
             else:
                 chunks.append((n, computed))
-            i += 1
-        if not preempted:
-            waiting = self.waiting
-            while waiting and budget > 0 and len(running) < lim.max_num_seqs:
-                req = waiting[0]
-                cached = self.cached_prefix_tokens(req) if req.computed == 0 else 0
-                n = req.num_tokens - req.computed - cached
-                if n > budget:
-                    n = budget
-                need = -(-(req.computed + cached + n) // ps) - req.pages
-                if need > self.free_pages:
-                    break
-                waiting.popleft()
-                self.free_pages -= need
-                req.pages += need
-                if req.cached < 0:
-                    req.cached = cached
-                    self.cached_tokens += cached
-                req.computed += cached
-                running.append(req)
-                chosen.append((req, n))
-                budget -= n
-                chunks.append((n, req.computed))
-        if not chosen:
-            return None
-        if self.cache.pages > self.free_pages:
-            self.cache.shrink(self.free_pages)
         dur = self.latency.step_time(chunks, num_dec, ctx)
         if self.load_per_stream and num_dec > 1:
             dur *= 1.0 + self.load_per_stream * (num_dec - 1)
@@ -347,10 +343,10 @@ class EngineSim:
                 f = self.slowdown(bool(chunks), dur * f)
             dur *= f
         self.last_step_s = dur
-        self.step = _Step(now, now + dur, chosen, bool(chunks), num_dec)
+        self.step = _Step(now, now + dur, batch, bool(chunks), num_dec)
         self.steps += 1
         self.busy_s += dur
-        self.batched_tokens += lim.max_num_batched_tokens - budget
+        self.batched_tokens += batch.num_tokens
         self.decode_seqs += num_dec
         return now + dur
 
@@ -361,30 +357,41 @@ class EngineSim:
         now = step.end
         self.finishing = True
         try:
-            self._apply(step.scheduled, now)
+            self._apply(step.batch, now)
         finally:
             self.finishing = False
         return now
 
-    def _apply(self, scheduled: list, now: float) -> None:
-        on_sampled = self.on_sampled
-        for req, n in scheduled:
-            before = req.computed
-            computed = req.computed = before + n
-            if before < req.prompt_len:
-                self.computed_prompt_tokens += min(computed, req.prompt_len) - before
-            if computed < req.num_tokens:
-                continue  # a chunk of a longer prefill
+    def _apply(self, batch: ScheduledBatch, now: float) -> None:
+        sampled = {eng: (0, None) for eng, n in zip(batch.requests, batch.num_new_tokens)
+                   if eng.num_computed_tokens + n >= eng.num_tokens}
+        for eng in self.scheduler.update(batch, sampled):
+            req = self._requests[eng.request_id]
             generated = req.generated = req.generated + 1
-            req.num_tokens += 1
             req.token_times.append(now)
-            if (generated == 1 or generated >= req.output_len) and not on_sampled(self, req, now):
-                self.running.remove(req)
+            if req.cached < 0:
+                req.cached = max(eng.num_cached_tokens, 0)
+                self.cached_tokens += req.cached
+            if eng.status.finished and eng.request_id not in self.scheduler.held:
+                self._forget(eng)
+            if generated == 1 or generated >= req.output_len:
+                self.on_sampled(self, req, now)
 
-    def _preempt(self, req: SimRequest) -> None:
-        self.free_pages += req.pages
-        req.pages = 0
-        req.computed = 0
-        req.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(req)
+    # ---- engine requests --------------------------------------------------------------------
+    def _engine_request(self, req: SimRequest) -> Request:
+        eng = self._engine.get(req.index)
+        if eng is None:
+            prefill = self.role == "prefill"
+            params = SamplingParams(temperature=0.0, max_tokens=1 if prefill else req.output_len, ignore_eos=True)
+            eng = Request(request_id=str(req.index), prompt_token_ids=req.token_ids(), params=params,
+                          max_total_tokens=req.prompt_len + params.max_tokens,
+                          kv_destinations=_SENT if prefill else ())
+            if self.kv.pool.enable_prefix_caching:
+                eng.block_hashes = list(req.page_hashes(self.limits.page_size))
+            self._engine[req.index] = eng
+            self._requests[eng.request_id] = req
+        return eng
+
+    def _forget(self, eng: Request) -> None:
+        self._engine.pop(int(eng.request_id), None)
+        self._requests.pop(eng.request_id, None)

@@ -12,7 +12,7 @@ per pool instead of tensors:
     -> decode engine (continuous batching, pages, preemption by recompute) -> one token per
        step -> finished: pages and the router slot come back.
 
-Every worker is an `EngineSim` (sim_engine.py), the engine scheduler's rules in step times.
+Every worker is an `EngineSim` (sim_engine.py): the engine's own scheduler, in step times.
 The output is what `bench serve` measures on a real endpoint: one `RequestRecord` per request
 (TTFT, chunk times, tokens, server timings and placement), so `loadgen.metrics.summarize`
 gives the same table and JSON, plus per-worker statistics.
@@ -117,7 +117,6 @@ class Simulator:
         self._seq = itertools.count()
         self._inflight = 0
         self._queue: deque[SimRequest] = deque()
-        self._held: dict[int, int] = {}   # request index -> prefill pages held until its transfer ends
 
     # ---- the event loop ---------------------------------------------------------------------
     def run(self, workload: Workload, max_concurrency: int | None = None) -> SimResult:
@@ -127,6 +126,9 @@ class Simulator:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         t_wall = time.perf_counter()
         reqs = _to_sim_requests(workload, self.cluster.hash_page_size)
+        shared = any(r.block_keys for r in reqs)
+        for v in self._order:
+            v.worker.prefix_caching(shared)
         self._timeline = Timeline()
         self._state = {"in_flight": 0, "waiting": 0}
         self._client_cap = max_concurrency
@@ -226,10 +228,9 @@ class Simulator:
             dview.page_queue.append(req)
 
     def _reserve(self, dview: _View, req: SimRequest) -> bool:
-        n = dview.worker.limits.pages_for(req.prompt_len)
-        if not dview.worker.try_reserve(n, dview.reserve):
+        if not dview.worker.reserve(req, dview.reserve):
             return False
-        req.pages = n  # the destination pages; the prefill side's are counted apart
+        req.dest_pages = dview.worker.limits.pages_for(req.prompt_len)
         return True
 
     def _admit_queued_pages(self, dview: _View, now: float) -> None:
@@ -249,7 +250,6 @@ class Simulator:
         pview.router.inflight_tokens += req.prompt_len
         req.prefill_worker = pview.worker.name
         req.prefill_start = now
-        req.dest_pages, req.pages = req.pages, 0
         pview.worker.add(req)
         self._kick(pview, now)
 
@@ -257,26 +257,19 @@ class Simulator:
         return self._by_router[id(pick([v.router for v in views], req.page_keys))]
 
     # ---- workers --------------------------------------------------------------------------------
-    def _on_sampled(self, worker: EngineSim, req: SimRequest, now: float) -> bool:
+    def _on_sampled(self, worker: EngineSim, req: SimRequest, now: float) -> None:
         if req.first_token < 0:  # sampled here from the prompt: the first token
             req.first_token = now
-            worker.remember_prompt(req)
             if worker.role == "colocated":
                 self._view[worker].router.inflight_tokens -= req.prompt_len
-        if worker.role == "prefill":
+        if worker.role == "prefill":  # its pages stay held until the transfer ends
             view = self._view[worker]
             view.router.inflight -= 1
             view.router.inflight_tokens -= req.prompt_len
             view.router.remember(req.page_keys, self._index_capacity[id(view.router)])
-            self._held[req.index] = req.pages
-            req.pages = 0
             self._start_transfer(view, req, now)
-            return False
-        if req.generated >= req.output_len:
-            worker.release(req)
+        elif req.generated >= req.output_len:  # the engine freed its pages
             self._finish(req, now)
-            return False
-        return True
 
     def _start_transfer(self, pview: _View, req: SimRequest, now: float) -> None:
         lm = pview.worker.latency
@@ -290,17 +283,17 @@ class Simulator:
 
     def _kv_done(self, req: SimRequest, now: float) -> None:
         pview = self._by_name[req.prefill_worker]
-        pview.worker.free_pages += self._held.pop(req.index)
+        pview.worker.release_held(req)
         self._kick(pview, now)
         req.kv_done = now
         dview = self._by_name[req.decode_worker]
-        req.pages = req.dest_pages
         if req.generated >= req.output_len:  # a one-token answer: nothing to decode
-            dview.worker.release(req)
+            dview.worker.drop(req)
             self._finish(req, now)
             self._admit_queued_pages(dview, now)
             return
         dview.worker.join(req)
+        req.forget_prompt()  # both workers hold their engine copies now
         self._kick(dview, now)
 
     def _step_done(self, view: _View, now: float) -> None:
@@ -325,6 +318,7 @@ class Simulator:
 
     def _close(self, req: SimRequest, now: float) -> None:
         req.finished = now
+        req.forget_prompt()
         self._note(now, "in_flight", -1)
         if self._client_queue:
             nxt = self._client_queue.popleft()

@@ -1,6 +1,6 @@
 """The cluster simulator against closed forms (M/D/1 queueing, fixed-batch decode, transfer
-overlap), the engine rules it copies (prefix cache, pages and preemption, admission limits,
-colocated stalls), and the `plan simulate` command line."""
+overlap), the engine's own scheduler it runs (prefix cache, pages and preemption, admission
+limits, colocated stalls), and the `plan simulate` command line."""
 import json
 import time
 
@@ -100,6 +100,38 @@ def test_decode_pages_run_out_preempt_and_every_request_still_completes():
     assert s["failed"] == 0 and s["total_output_tokens"] == 4 * 200
     assert res.workers["d-0"]["preemptions"] > 0
     assert all(len(r.chunk_times_s) == 200 for r in res.records)
+
+
+def test_the_simulated_steps_are_the_engine_schedulers_batches(monkeypatch):
+    """Every simulated step is a batch `engine.scheduler.Scheduler.schedule` built, and a change
+    of the scheduler's limit changes the simulated steps with it: at a budget of 512 tokens a
+    1,000-token prompt takes two chunks, at 128 it takes eight, and its TTFT grows by the extra
+    steps' fixed cost."""
+    from engine.scheduler import Scheduler
+
+    def run(budget: int):
+        batches = []
+        real = Scheduler.schedule
+
+        def recording(self):
+            batch = real(self)
+            if not batch.empty:
+                batches.append(list(batch.num_new_tokens))
+            return batch
+
+        monkeypatch.setattr(Scheduler, "schedule", recording)
+        limits = EngineLimits(page_size=16, num_pages=1024, max_num_batched_tokens=budget, max_num_seqs=8)
+        res = simulate(disagg(prefill_limits=limits, decode_limits=limits), wl([(0.0, 1000, 3)]))
+        monkeypatch.undo()
+        steps = sum(w["steps"] for w in res.workers.values())
+        return batches, steps, res.records[0]
+
+    wide, wide_steps, wide_rec = run(512)
+    narrow, narrow_steps, narrow_rec = run(128)
+    assert len(wide) == wide_steps and len(narrow) == narrow_steps
+    assert wide[:2] == [[512], [488]] and narrow[:8] == [[128]] * 7 + [[104]]
+    assert wide[2:] == narrow[8:] == [[1], [1]]  # the decode worker's two steps
+    assert narrow_rec.ttft_s - wide_rec.ttft_s == pytest.approx(6 * LM.prefill[0], rel=1e-6)
 
 
 def test_router_queue_limits_reject_with_resource_exhausted():
