@@ -15,8 +15,7 @@ from loadgen.metrics import summarize
 from loadgen.report import format_table, write_json
 from loadgen.workloads import Workload, WorkloadRequest, build_workload, dataset_path, materialize_prompts
 from cluster.cli import main as pdcluster_main
-from tests.integration.router_harness import kv_bytes_moved, per_worker, scrape, value
-from tests.integration.test_metrics import metrics_cluster, metrics_router  # noqa: F401 (fixtures)
+from tests.helpers import kv_bytes_moved, scrape, value
 
 
 def test_random_workload_end_to_end(metrics_cluster, tmp_path):
@@ -46,7 +45,6 @@ def test_random_workload_end_to_end(metrics_cluster, tmp_path):
     # The server's view, scraped and parsed during and after the run, agrees with the client's.
     after = scrape(server.metrics_url)
     assert snaps and max(value(s, "pdcluster_router_running_requests") for s in snaps) >= 1
-    assert max(per_worker(s, "pdcluster_kv_pages_used")["decode-0"] for s in snaps) > 0
     for name in ("pdcluster_request_ttft_seconds_count", "pdcluster_request_e2e_seconds_count"):
         assert value(after, name) - value(before, name) == 12
     assert value(after, "pdcluster_requests_total", finish_reason="length") - \

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.hf_reference import random_prompts
+from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

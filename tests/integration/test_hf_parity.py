@@ -8,7 +8,7 @@ import pytest
 from engine import SamplingParams
 from engine.attention import cpu_ext
 from tests.conftest import ARCHS
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.helpers import hf_greedy, random_prompts
 
 LENGTHS = (1, 5, 17, 40, 100, 300, 33, 64, 129)
 NEW_TOKENS = 64

@@ -9,38 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 import grpc
 import pytest
 
 from proto.pdcluster.v1 import inference_pb2 as pb
-from router.app import build_router
-from tests.integration.router_harness import (Loop, close, collect, kv_bytes_moved, local_pair, per_worker, scrape,
-                                              stub, value)
+from tests.helpers import collect, kv_bytes_moved, per_worker, scrape, stub, value, wait_until
 
 S = pb.SamplingParams
 LONG = 200  # tokens of the long stream: long enough that a 0.1 s load refresh sees its pages
-
-
-@pytest.fixture(scope="module")
-def metrics_cluster(tiny_model):
-    """(router server, prefill worker, decode worker), shared by the metrics and bench-serve tests."""
-    model = tiny_model("llama")
-    prefill, decode, ph, dh = local_pair(model, 64)
-    loop = Loop()
-    server = build_router(model, [ph], [dh], max_model_len=256)
-    server.metrics_port = 0
-    loop.run(server.start())
-    yield server, prefill, decode
-    loop.run(server.stop(1.0))
-    close(ph, dh)
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def metrics_router(metrics_cluster):
-    return metrics_cluster[0]
 
 
 def test_metrics_count_requests_chunks_errors_and_pages(metrics_cluster, caplog):
@@ -51,33 +28,31 @@ def test_metrics_count_requests_chunks_errors_and_pages(metrics_cluster, caplog)
     idle_used = per_worker(idle, "pdcluster_kv_pages_used")
     assert set(idle_used) == {"prefill-0", "decode-0"}
     s = stub(metrics_router)
-    during: list[dict] = []
     long_req = pb.GenerateRequest(prompt_token_ids=list(range(1, 41)),
                                   sampling=S(max_tokens=LONG, temperature=0, ignore_eos=True))
     chunks_long: list = []
     t = threading.Thread(target=lambda: chunks_long.extend(s.Generate(long_req, timeout=60)))
     caplog.set_level(logging.INFO, logger="pdcluster.requests")
     t.start()
-    deadline = time.monotonic() + 30
-    while t.is_alive() and time.monotonic() < deadline:  # scrape while it streams
+
+    def while_it_streams() -> dict | None:
+        # worker gauges lag by one load refresh (0.1 s): a scrape that shows the request's pages
         snap = scrape(url)
-        # worker gauges lag by one load refresh (0.1 s): wait until they show the request's pages
-        if (value(snap, "pdcluster_router_running_requests") >= 1
-                and per_worker(snap, "pdcluster_kv_pages_used")["decode-0"] > idle_used["decode-0"]):
-            during.append(snap)
-            break
-        time.sleep(0.02)
+        busy = (value(snap, "pdcluster_router_running_requests") >= 1
+                and per_worker(snap, "pdcluster_kv_pages_used")["decode-0"] > idle_used["decode-0"])
+        return snap if busy else None
+
+    wait_until(while_it_streams, 30, 0.02, "a scrape that sees the long request running with its decode pages in use")
     responses = [list(s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(2, 2 + n)), sampling=S(
         max_tokens=k, temperature=0, ignore_eos=True)), timeout=60)) for n, k in ((5, 3), (20, 3), (3, 1))]
     with pytest.raises(grpc.RpcError) as err:
         collect(s, pb.GenerateRequest(prompt_token_ids=[1, 2], sampling=S(max_tokens=3, temperature=-1)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     t.join(60)
-    assert during, "no scrape saw the long request running with its decode pages in use"
-
     responses.append(chunks_long)
-    time.sleep(0.3)  # two load refreshes
-    after = scrape(url)
+    # once the workers' loads are refreshed after the last request, their pages are back
+    after = wait_until(lambda: (snap := scrape(url)) and per_worker(snap, "pdcluster_kv_pages_used") == idle_used
+                       and snap, 10, 0.02, "the worker gauges back at their idle page use")
     n_ok = 4
     assert value(after, "pdcluster_request_ttft_seconds_count") == n_ok
     assert value(after, "pdcluster_request_e2e_seconds_count") == n_ok

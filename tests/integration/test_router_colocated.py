@@ -11,8 +11,8 @@ import pytest
 from decode_worker import DecodeWorker
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.hf_reference import random_prompts
-from tests.integration.router_harness import ENGINE, Loop, close, collect, hold_engine_thread, in_process, stub
+from tests.helpers import random_prompts
+from tests.helpers import ENGINE, Loop, close, collect, hold_engine_thread, in_process, stub
 
 S = pb.SamplingParams
 

@@ -4,9 +4,8 @@ silence. Real in-process prefill and decode workers (tiny llama, local KV transf
 real gRPC router; the prefill worker's engine thread is held busy for a fixed time, which is
 what a multi-second prefill step does to it (its load is answered between steps).
 
-Regression: the disaggregated arm of the experiment lost requests with UNAVAILABLE "no healthy
-prefill worker" because a 2 s load timeout during a long prefill step marked the only prefill
-worker unhealthy."""
+A 2 s load timeout taken for death during a long prefill step marks the only prefill worker
+unhealthy, and every request fails with UNAVAILABLE "no healthy prefill worker"."""
 from __future__ import annotations
 
 import time
@@ -17,8 +16,8 @@ import pytest
 from kv_transfer import TransferConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.integration.router_harness import (ENGINE, Loop, close, collect, hold_engine_thread, in_process, local_pair,
-                                              per_worker, scrape, stub)
+from tests.helpers import (ENGINE, Loop, close, collect, hold_engine_thread, in_process, local_pair, per_worker,
+                           scrape, stub, wait_until)
 
 S = pb.SamplingParams
 
@@ -38,6 +37,12 @@ def router(tiny_model, request):
     loop.close()
 
 
+def pages_back(*workers) -> None:
+    """Every page of every worker comes back (a cancel or a transfer's release may still run)."""
+    wait_until(lambda: all(w.core.num_free_pages == w.core.num_pages for w in workers), 10, 0.01,
+               "every page back on every worker")
+
+
 def request(n: int = 20) -> pb.GenerateRequest:
     return pb.GenerateRequest(prompt_token_ids=list(range(3, 3 + n)), sampling=S(max_tokens=4, temperature=0,
                                                                                   ignore_eos=True))
@@ -45,64 +50,58 @@ def request(n: int = 20) -> pb.GenerateRequest:
 
 def test_busy_prefill_worker_is_late_not_dead(router):
     server, ph, workers = router
+    dispatcher = server.service.dispatcher
     busy = hold_engine_thread(ph, 1.2)
-    time.sleep(0.5)  # several refreshes time out while the worker is busy
-    ids, _, last = collect(stub(server), request())  # before the fix: UNAVAILABLE "no healthy prefill worker"
+    # several load refreshes go unanswered while the worker is busy
+    wait_until(lambda: time.monotonic() - dispatcher._answered.get("prefill-0", 0.0) > 4 * server.load_refresh_s,
+               5, 0.01, "prefill-0 silent for several refreshes")
+    ids, _, last = collect(stub(server), request())  # a timeout taken for death: UNAVAILABLE "no healthy prefill worker"
     busy.result(10)
     assert len(ids) == 4 and last.finish_reason == "length"
-    views = server.service.dispatcher.views
+    views = dispatcher.views
     assert views["prefill-0"].healthy and views["prefill-0"].error == ""
-    time.sleep(0.3)
     assert per_worker(scrape(server.metrics_url), "pdcluster_worker_healthy") == {"prefill-0": 1.0, "decode-0": 1.0}
-    for w in workers:
-        assert w.core.num_free_pages == w.core.num_pages
+    pages_back(*workers)
 
 
 def test_silent_prefill_worker_leaves_placement_then_returns(router):
     server, ph, workers = router
     server.service.dispatcher.unresponsive_after_s = 0.3
     busy = hold_engine_thread(ph, 2.5)
-    time.sleep(1.0)
     view = server.service.dispatcher.views["prefill-0"]
-    assert not view.healthy and "no load answer" in view.error
+    wait_until(lambda: not view.healthy, 5, 0.01, "prefill-0 out of placement")
+    assert "no load answer" in view.error
     with pytest.raises(grpc.RpcError) as err:
         collect(stub(server), request())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()
     busy.result(10)
-    time.sleep(0.3)  # its pending load answers: back in placement
-    assert view.healthy
+    wait_until(lambda: view.healthy, 5, 0.01, "prefill-0 back in placement once its pending load answers")
     ids, _, last = collect(stub(server), request(30))
     assert len(ids) == 4 and last.finish_reason == "length"
-    time.sleep(0.2)  # the refused request's decode pages are freed by a cancel task
-    for w in workers:
-        assert w.core.num_free_pages == w.core.num_pages
+    pages_back(*workers)  # the refused request's decode pages are freed by a cancel task
 
 
 @pytest.mark.parametrize("router", [TransferConfig(deadline_s=0.4)], indirect=True)
 def test_prefill_queue_longer_than_the_transfer_deadline_is_not_a_failure(router):
     """A request waits in a busy prefill worker's queue for longer than the KV transfer
     deadline; the decode worker's reserved pages wait for the transfer to begin (bounded by the
-    begin timeout), so the request is served, only later. Regression: the receiver's deadline
-    ran from the decode admission, so on a loaded CPU cluster requests queued behind long
-    prefills failed with UNAVAILABLE "no healthy prefill worker left to retry on"."""
+    begin timeout), so the request is served, only later. A deadline running from the decode
+    admission would fail requests queued behind long prefills with UNAVAILABLE "no healthy
+    prefill worker left to retry on"."""
     server, ph, workers = router
     busy = hold_engine_thread(ph, 1.2)  # three transfer deadlines of queueing
-    t0 = time.monotonic()
     ids, _, last = collect(stub(server), request())
-    busy.result(10)
+    assert busy.done(), "served only once the busy step was over: it did wait behind it"
     assert len(ids) == 4 and last.finish_reason == "length"
-    assert time.monotonic() - t0 > 1.0  # it did wait behind the busy step
-    time.sleep(0.2)
-    for w in workers:
-        assert w.core.num_free_pages == w.core.num_pages
+    pages_back(*workers)
 
 
 def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
     """Six requests arrive while both decode workers are inside an engine step (a worker
-    answers admits between steps). Each placement must count at once, so the burst splits 3/3.
-    Regression: the router counted a placement only after the worker's admit returned, so every
-    request of the burst saw equal counts and all six went to the first worker (on a colocated
-    cluster, to the worker stuck in a long prefill)."""
+    answers admits between steps). Each placement must count at once, so the burst splits 3/3:
+    counted only once the worker's admit returned, every request of the burst would see equal
+    counts and all six would go to the first worker (on a colocated cluster, to the worker
+    stuck in a long prefill)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from decode_worker.worker import DecodeWorker
@@ -125,9 +124,7 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
             t.result(10)
         placed = sorted(last.placement.decode_worker for last in lasts)
         assert placed == ["decode-0"] * 3 + ["decode-1"] * 3
-        time.sleep(0.2)
-        for w in (prefill, decode0, decode1):
-            assert w.core.num_free_pages == w.core.num_pages
+        pages_back(prefill, decode0, decode1)
     finally:
         loop.run(server.stop(1.0))
         close(ph, dh0, dh1)

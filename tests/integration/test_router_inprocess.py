@@ -17,8 +17,8 @@ from engine.load import WorkerLoad
 from engine.sampling_params import SamplingParams
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.hf_reference import random_prompts
-from tests.integration.router_harness import Loop, close, collect, local_pair, stub, wait_free
+from tests.helpers import random_prompts
+from tests.helpers import Loop, close, collect, local_pair, stub, wait_free
 
 S = pb.SamplingParams
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.helpers import hf_greedy, random_prompts, wait_until
 from tests.integration.worker_procs import WorkerProc
 
 PREFILL_ENGINE = dict(page_size=16, num_pages=64, max_num_batched_tokens=64, max_num_seqs=8)
@@ -94,16 +94,14 @@ class Cluster:
         return [t for _, t in self.tokens[rid]]
 
     def assert_all_pages_free(self, sides=("prefill", "decode"), timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
         for side in sides:
             proc = getattr(self, side)
-            while True:
+
+            def settled(proc=proc) -> bool:
                 reply = proc.call("load")
-                load = reply["load"]
-                if load["free_pages"] == load["total_pages"] and reply["settled"]:
-                    break
-                assert time.monotonic() < deadline, f"{side} still holds pages: {reply}"
-                time.sleep(0.05)
+                return reply["load"]["free_pages"] == reply["load"]["total_pages"] and reply["settled"]
+
+            wait_until(settled, timeout, 0.05, f"{side}: every page free and nothing open")
 
     def close(self) -> None:
         self.prefill.close()
@@ -169,10 +167,8 @@ def test_cancel_in_each_stage(cluster, tiny_model):
     cluster.pump(lambda: len(cluster.tokens["decoding"]) >= 2)
     assert cluster.decode.call("cancel", request_id="decoding")["known"]
     # "in_flight" was behind "decoding" on the slow prefill worker: cancel while its layers move
-    deadline = time.monotonic() + TIMEOUT_S
-    while cluster.decode.call("stage", request_id="in_flight")["transfer"] != "TRANSFERRING":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: cluster.decode.call("stage", request_id="in_flight")["transfer"] == "TRANSFERRING",
+               TIMEOUT_S, 0.01, "in_flight's layers moving")
     assert cluster.decode.call("cancel", request_id="in_flight")["known"]
     cluster.pump(cluster.all_finished)
     assert {r: f[0] for r, f in cluster.finished.items()} == {"queued": "abort", "in_flight": "abort",
@@ -201,10 +197,8 @@ def _kill_prefill_during_transfer(cluster, tiny_model, make_llm, policy):
     prompt = random_prompts([100], 256, seed=14)[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     cluster.add("doomed", prompt, params)
-    deadline = time.monotonic() + TIMEOUT_S
-    while cluster.decode.call("stage", request_id="doomed")["transfer"] != "TRANSFERRING":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: cluster.decode.call("stage", request_id="doomed")["transfer"] == "TRANSFERRING",
+               TIMEOUT_S, 0.01, "doomed's layers moving")
     cluster.prefill.kill()
     try:
         cluster.pump(cluster.all_finished, timeout=20)

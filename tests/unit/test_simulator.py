@@ -2,7 +2,6 @@
 overlap), the engine's own scheduler it runs (prefix cache, pages and preemption, admission
 limits, colocated stalls), and the `plan simulate` command line."""
 import json
-import time
 
 import pytest
 
@@ -160,7 +159,8 @@ def test_client_concurrency_cap_is_respected():
 
 
 @pytest.mark.skipif(not (data_dir() / "traces").is_dir(), reason="shared traces absent")
-def test_an_hour_of_azure_conversation_simulates_in_under_30_s():
+@pytest.mark.timeout(300)  # a hang guard: this takes ~11 s on one core of a 2-core VM (docs/capacity-planning.md)
+def test_an_hour_of_azure_conversation_runs_every_request_through_the_engine_scheduler():
     from loadgen.workloads import build_workload
     from planning.hardware import get_gpu
     from planning.roofline import model_shape, roofline_latency_model
@@ -170,10 +170,14 @@ def test_an_hour_of_azure_conversation_simulates_in_under_30_s():
     c = SimCluster([SimPool("p", "prefill", 2, lm, limits), SimPool("d", "decode", 2, lm, limits)],
                    max_inflight=4096, max_queue=1 << 20)
     w = build_workload("azure-conv")
-    t0 = time.perf_counter()
     res = simulate(c, w)
-    assert time.perf_counter() - t0 < 30
     assert res.duration_s > 3500 and all(r.ok for r in res.records)
+    assert sum(r.output_tokens for r in res.records) == sum(q.output_len for q in w.requests)
+    # every prompt token computed on a prefill worker (no cache hits without shared blocks), once
+    # unless a preemption made it compute some again
+    prefills = [res.workers[f"p-{i}"] for i in range(2)]
+    computed, prompts = sum(p["computed_prompt_tokens"] for p in prefills), sum(q.prompt_len for q in w.requests)
+    assert computed == prompts if not any(p["preemptions"] for p in prefills) else computed > prompts
 
 
 def test_plan_simulate_cli_with_a_config_and_a_profile(tmp_path, capsys):

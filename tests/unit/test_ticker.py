@@ -1,41 +1,50 @@
 """The transfer progress threads' poller (`kv_transfer.base.Ticker`): an idle request in flight
-backs the poll period off, and an event brings it back at once."""
+backs the poll period off, doubling up to a bound; an event brings it back at once; busy ticks
+run back to back. A sleep never ends early, so these check lower bounds on the gaps between
+idle ticks, and compare busy and woken ticks against periods far longer than any scheduling
+delay: a loaded machine only stretches the gaps the tests call long."""
 from __future__ import annotations
 
 import threading
 import time
 
 from kv_transfer.base import Ticker
+from tests.helpers import wait_until
 
 
-def _count_ticks(seconds: float, **kw) -> tuple[int, Ticker, list[float]]:
+def _ticking(n: int, **kw) -> tuple[Ticker, list[float]]:
+    """A ticker whose idle ticks are timed, once it has ticked `n` times."""
     times: list[float] = []
     t = Ticker("test-ticker", lambda: times.append(time.monotonic()) and False, active=lambda: True, **kw)
-    time.sleep(seconds)
-    return len(times), t, times
+    wait_until(lambda: len(times) >= n, 10, 0.001, f"{n} ticks")
+    return t, times
 
 
-def test_idle_ticks_back_off_to_the_bound():
-    n_fixed, fixed, _ = _count_ticks(0.5, idle_s=0.001)
-    n_backoff, backoff, _ = _count_ticks(0.5, idle_s=0.001, backoff_max_s=0.032)
-    fixed.stop()
-    backoff.stop()
-    # 1 ms fixed: ~500 ticks (fewer on a loaded machine); backing off: 1+2+...+32 ms, then every 32 ms
-    assert n_fixed >= 100
-    assert n_backoff <= 40, f"{n_backoff} ticks in 0.5 s with a 32 ms back-off bound"
+def test_idle_ticks_back_off_doubling_to_the_bound():
+    t, times = _ticking(9, idle_s=0.001, backoff_max_s=0.032)
+    t.stop()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # each idle tick in a row doubles the sleep: 1, 2, 4, 8, 16 ms, then the 32 ms bound
+    for gap, sleep_s in zip(gaps, (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.032, 0.032)):
+        assert gap >= sleep_s * 0.9, (gaps, sleep_s)
+
+
+def test_without_a_bound_idle_ticks_keep_the_short_period():
+    t, times = _ticking(30, idle_s=0.001)
+    t.stop()
+    # 29 gaps of 1 ms: a back-off would have taken 1+2+...: seconds, not this
+    assert times[-1] - times[0] < 1.0
 
 
 def test_wake_resets_the_period():
-    _, t, times = _count_ticks(0.4, idle_s=0.001, backoff_max_s=0.2)  # backed off to 200 ms by now
+    t, times = _ticking(10, idle_s=0.001, backoff_max_s=5.0)  # backed off: now in a sleep of 512 ms
     woke = time.monotonic()
     t.wake()
-    deadline = woke + 0.1
-    while time.monotonic() < deadline and sum(x > woke for x in times) < 3:
-        time.sleep(0.001)
+    wait_until(lambda: sum(x > woke for x in times) >= 3, 5, 0.001, "three ticks after the wake")
     t.stop()
     after = [x for x in times if x > woke]
-    assert len(after) >= 3, "a wake() must bring the poller back to its short period (1, 2, 4 ms)"
-    assert after[2] - woke < 0.1
+    # back at 1, 2, 4 ms: without the wake not even the first tick would come within 0.4 s
+    assert after[2] - woke < 0.4
 
 
 def test_busy_ticks_run_back_to_back():
@@ -50,6 +59,7 @@ def test_busy_ticks_run_back_to_back():
         return work.is_set()
 
     t = Ticker("test-busy", tick, idle_s=0.05, active=lambda: True, backoff_max_s=0.1)
-    time.sleep(0.2)
+    wait_until(lambda: len(calls) >= 50, 10, 0.001, "50 busy ticks")
     t.stop()
-    assert calls[49] - calls[0] < 0.05, "busy ticks must not sleep between them"
+    # 49 sleeps of 50 ms would take 2.45 s
+    assert calls[49] - calls[0] < 1.0, "busy ticks must not sleep between them"

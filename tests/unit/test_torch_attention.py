@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import AttentionSpec, create_backend
 from engine.attention.torch_backend import BUCKET_RATIO, CPU_GATHER_BYTES
-from tests.gpu.conftest import random_paged_batch
+from tests.helpers import random_paged_batch
 
 CASES = {
     "one_bucket_equal": [(99, 1)] * 5,

@@ -14,7 +14,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.local import LocalHub
 from prefill_worker import PrefillTask, PrefillWorker
 from tests.conftest import register_engine
-from tests.hf_reference import random_prompts
+from tests.helpers import random_prompts, wait_until
 
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8)
 
@@ -310,10 +310,7 @@ def test_a_worker_waiting_for_kv_sleeps_until_the_connector_wakes_it(tiny_model)
 
 
 def _settled(*hosts, timeout_s: float = 10.0) -> bool:
-    """Every host's worker has no open request (transfers released), checked on its own thread."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(h.engine.submit(lambda h=h: h.worker.has_requests).result(10) for h in hosts):
-            return True
-        time.sleep(0.01)
-    return False
+    """Every host's worker has no open request (transfers released), asked on its own thread."""
+    wait_until(lambda: not any(h.engine.submit(lambda h=h: h.worker.has_requests).result(10) for h in hosts),
+               timeout_s, 0.01, "no request open on any worker")
+    return True

@@ -4,8 +4,7 @@ process drains and stops on SIGTERM, leaving no processes."""
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-from tests.hf_reference import random_prompts
-from tests.integration.test_cluster_ray import _our_ray_processes, run_streams, start_cluster, stub, wait_free
+from tests.helpers import our_ray_processes, random_prompts, run_streams, start_cluster, stub, wait_free
 
 
 def test_2_prefill_2_decode_over_grpc_both_replicas_get_work(tiny_model, make_llm):
@@ -15,12 +14,12 @@ def test_2_prefill_2_decode_over_grpc_both_replicas_get_work(tiny_model, make_ll
         got = run_streams(c, prompts)
         want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
             prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        for (ids, _), w in zip(got, want):
+        for (ids, _, _), w in zip(got, want):
             assert ids == w.token_ids
-        assert {last.placement.prefill_worker for _, last in got} == {"prefill-0", "prefill-1"}
-        assert {last.placement.decode_worker for _, last in got} == {"decode-0", "decode-1"}
+        assert {last.placement.prefill_worker for _, _, last in got} == {"prefill-0", "prefill-1"}
+        assert {last.placement.decode_worker for _, _, last in got} == {"decode-0", "decode-1"}
         st = wait_free(stub(c))
         assert len(st.workers) == 4 and all(w.free_pages == w.total_pages for w in st.workers), st
     finally:
         c.stop()
-    assert not _our_ray_processes()
+    assert not our_ray_processes()

@@ -6,9 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow  # a third cluster start (~30 s here); the Ray path is covered by test_cluster_ray
 
@@ -20,10 +21,11 @@ def test_serve_generate_status_sigterm(tmp_path, tiny_model):
     proc = subprocess.Popen(exe + ["serve", "--model", "tiny", "--port", "0", "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-            time.sleep(0.5)
+        def started() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            return ready.exists()
+
+        wait_until(started, 240, 0.2, "pdcluster serve writing its ready file")
         addr = ready.read_text()
         gen = subprocess.run(exe + ["generate", "--address", addr, "hello", "--max-tokens", "5", "--temperature", "0"],
                              capture_output=True, text=True, timeout=120)

@@ -4,13 +4,11 @@ both workers get work, no request crosses a KV transfer, and every page comes ba
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ThreadPoolExecutor
 
 from cluster.serve import add_arguments, load_config
 from engine.sampling_params import SamplingParams
-from proto.pdcluster.v1 import inference_pb2 as pb
-from tests.hf_reference import random_prompts
-from tests.integration.test_cluster_ray import ENGINE, GREEDY, S, _our_ray_processes, stub, wait_free
+from tests.helpers import CLUSTER_ENGINE as ENGINE
+from tests.helpers import our_ray_processes, random_prompts, run_streams, stub, wait_free
 
 
 def colocated_config():
@@ -34,13 +32,7 @@ def test_2_colocated_workers_greedy_equal_llm_no_transfer(tiny_model, make_llm):
     try:
         s = stub(c)
         prompts = random_prompts([5 + 6 * i for i in range(16)], 2048, seed=6)
-
-        def one(p):
-            chunks = list(s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=S(**GREEDY)), timeout=120))
-            return [t for ch in chunks for t in ch.token_ids], "".join(ch.text for ch in chunks), chunks[-1]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(one, prompts))
+        got = run_streams(c, prompts)
         want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
             prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         for (ids, text, last), w in zip(got, want):
@@ -58,4 +50,4 @@ def test_2_colocated_workers_greedy_equal_llm_no_transfer(tiny_model, make_llm):
         assert st.requests_served >= 16 and st.requests_failed == 0
     finally:
         c.stop()
-    assert not _our_ray_processes(), "Ray processes left after stop"
+    assert not our_ray_processes(), "Ray processes left after stop"

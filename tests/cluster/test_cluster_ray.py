@@ -8,36 +8,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.config import ClusterConfig
 from engine.sampling_params import SamplingParams
 from proto.pdcluster.v1 import inference_pb2 as pb
-from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
-from tests.hf_reference import random_prompts
-
-S = pb.SamplingParams
-ENGINE = dict(num_pages=256, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=32, page_size=16)
-GREEDY = dict(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-def start_cluster(tiny_model, metrics: bool = False, **kw):
-    from cluster.runtime import Cluster
-
-    tiny_model("llama")  # built once in this process; actors find it in PDCLUSTER_CACHE
-    cfg = ClusterConfig.embedded(model="tiny", port=0, engine=ENGINE, **kw)
-    if metrics:
-        cfg.router.metrics_port = 0
-    cluster = Cluster(cfg)
-    cluster.start()
-    return cluster
+from tests.helpers import (S, collect, descendants, our_ray_processes, random_prompts, run_streams, scrape,
+                           start_cluster, stub, value, wait_free, wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -45,62 +25,7 @@ def cluster(tiny_model):
     c = start_cluster(tiny_model, prefill=1, decode=1, transport="nixl", metrics=True)
     yield c
     c.stop()
-    assert not _our_ray_processes(), "Ray processes left after stop"
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _our_ray_processes() -> list[str]:
-    names = []
-    for p in _descendants(os.getpid()):
-        try:
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd or "default_worker" in cmd:
-            names.append(f"{p}: {cmd[:80]}")
-    return names
-
-
-def stub(c):
-    return pb_grpc.InferenceStub(grpc.insecure_channel(c.router_address))
-
-
-def collect(s, req, timeout=120):
-    chunks = list(s.Generate(req, timeout=timeout))
-    return [t for c in chunks for t in c.token_ids], chunks[-1]
-
-
-def wait_free(s, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = s.ClusterStatus(pb.ClusterStatusRequest())
-        if all(w.free_pages == w.total_pages for w in st.workers) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
-
-
-def run_streams(c, prompts):
-    s = stub(c)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: collect(s, pb.GenerateRequest(prompt_token_ids=p, sampling=S(**GREEDY))),
-                             prompts))
+    assert not our_ray_processes(), "Ray processes left after stop"
 
 
 def test_32_concurrent_streams_equal_llm_greedy(cluster, tiny_model, make_llm):
@@ -108,7 +33,7 @@ def test_32_concurrent_streams_equal_llm_greedy(cluster, tiny_model, make_llm):
     got = run_streams(cluster, prompts)
     want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
         prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    for (ids, last), w in zip(got, want):
+    for (ids, _, last), w in zip(got, want):
         assert ids == w.token_ids
         assert last.finish_reason == "length" and last.usage.completion_tokens == 10
     st = wait_free(stub(cluster))
@@ -126,7 +51,7 @@ def test_bad_requests_through_ray_then_serves(cluster):
         with pytest.raises(grpc.RpcError) as err:
             list(s.Generate(pb.GenerateRequest(**fields), timeout=30))
         assert err.value.code() == code, err.value.details()
-    ids, last = collect(s, pb.GenerateRequest(prompt="The decode pool", sampling=S(max_tokens=4, temperature=0)))
+    ids, _, last = collect(s, pb.GenerateRequest(prompt="The decode pool", sampling=S(max_tokens=4, temperature=0)))
     assert ids and last.finish_reason in ("stop", "length")
     # logprobs cross the actors too: one per token, the chosen token's own
     chunks = list(s.Generate(pb.GenerateRequest(prompt="The decode pool", sampling=S(
@@ -159,11 +84,11 @@ def test_every_process_freezes_its_startup_heap_and_reports_gc_pauses(cluster):
     """Router and workers each exempt their startup objects (torch, Ray, gRPC, the model: a
     full collection over them stalled every stream for ~160 ms) and export their collections.
     The router's process holds no torch: ~80,000 objects at its start against ~340,000."""
-    from tests.integration.router_harness import scrape, value
-
     run_streams(cluster, random_prompts([20] * 4, 2048, seed=5))
-    time.sleep(0.3)  # a load refresh after the streams
-    snap = scrape(cluster.metrics_url)
+    # the workers' collections reach /metrics with their load, refreshed every 0.1 s
+    snap = wait_until(lambda: (sn := scrape(cluster.metrics_url)) and all(
+        value(sn, "pdcluster_gc_collections_total", process=p, generation="0") > 0
+        for p in ("router", "prefill-0", "decode-0")) and sn, 10, 0.05, "every process's collections on /metrics")
     for proc, startup_objects in (("router", 50_000), ("prefill-0", 100_000), ("decode-0", 100_000)):
         assert value(snap, "pdcluster_gc_frozen_objects", process=proc) > startup_objects, proc
         young = value(snap, "pdcluster_gc_collections_total", process=proc, generation="0")
@@ -193,7 +118,7 @@ def test_health_reflection_and_loopback_only(cluster):
     resp = next(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     assert "pdcluster.v1.Inference" in {svc.name for svc in resp.list_services_response.service}
-    ours = _descendants(os.getpid()) | {os.getpid()}
+    ours = descendants(os.getpid()) | {os.getpid()}
     out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
     listeners = []
     for line in out.splitlines():
