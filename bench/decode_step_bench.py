@@ -8,8 +8,8 @@ then times `step()` in rounds that alternate the two backends (swapped on the ru
 keeps state across steps), so the machine's drift falls on both alike. Each figure is the
 median step; the ratio is cpu / torch (below 1: the kernel is faster).
 
-(Up to commit f4c2401, which added the kernel, this benchmark compared the torch backend's
-cache-sized gather against one call per bucket; docs/benchmarks.md keeps those figures.)
+(The torch backend's cache-sized gather against one call per bucket is not measured here;
+those figures are in docs/notebook/2026-12-05-decode-attention-runs.md.)
 """
 from __future__ import annotations
 

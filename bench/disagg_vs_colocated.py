@@ -54,12 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 DEFAULT_SLOS = {"stall-free stream (TTFT<=8s, every gap<=250ms)": {"ttft": 8000.0, "itl": 250.0},
                 "decode-bound (TTFT<=8s, TPOT<=150ms)": {"ttft": 8000.0, "tpot": 150.0},
                 "TTFT-bound (TTFT<=2s, TPOT<=1s)": {"ttft": 2000.0, "tpot": 1000.0}}
-# Fixed before the 2026-12-03 runs: a user watching a stream notices a stall, so the goodput
-# target is judged under the stall-free SLO; the other two show where colocation wins.
-# Rates and requests per point (0.4/0.7/1.0 req/s, 96 requests) were fixed before the run of
-# 2026-12-03 10:45 UTC, from the earlier runs and a simulation (docs/experiments.md): at 0.7 req/s
-# and 48 requests under 1% of colocated chunk gaps were prefill stalls, so ITL p99 fell just
-# below them; the top rate has to load the machine enough that more than 1% of gaps are stalls.
+# A user watching a stream notices a stall, so the goodput target is judged under the
+# stall-free SLO (chosen before measuring); the other two show where colocation wins.
+# Default rates and requests per point (0.4/0.7/1.0 req/s, 96 requests): the top rate has to
+# load the machine enough that more than 1% of colocated chunk gaps are prefill stalls; at
+# 0.7 req/s and 48 requests under 1% were, so ITL p99 fell just below them. Chosen from shorter
+# runs and a simulation (docs/notebook/2026-12-03-disagg-vs-colocated-runs.md); how to choose
+# rates for another machine: docs/experiments.md.
 
 
 ARMS = ("disaggregated", "colocated")

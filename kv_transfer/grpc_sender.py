@@ -10,10 +10,11 @@ Hot path, per chunk: one gather of the run's pages straight into the encoded Pus
 (identical layouts send whole pages, no token re-layout; wire.encode_chunk_into: the header
 encoded by protobuf, the payload field written after it, no copy through a message object
 or a staging buffer). Data lanes (`grpc_streams` > 1) stripe layers over streams of their
-own connections; on a 2-core machine they did not help (docs/benchmarks.md). Python gRPC waits for each message's send and each ack's send to finish,
-so acking every chunk serializes the two sides: chunks go out with `defer_ack` and only
-every `max_inflight_chunks // 2`-th chunk, and each layer's last, asks for an ack, whose
-`items` count returns the permits of all chunks it covers.
+own connections; on a 2-core machine they do not help (docs/benchmarks.md). Python gRPC
+waits for each message's send and each ack's send to finish, so acking every chunk
+serializes the two sides: chunks go out with `defer_ack` and only every
+`max_inflight_chunks // 2`-th chunk, and each layer's last, asks for an ack, whose `items`
+count returns the permits of all chunks it covers.
 A layer is confirmed when its last chunk is acknowledged; DONE when every destination has
 confirmed every layer and the final notice. A refused chunk, a broken stream or the
 deadline fails the request and unpins its pages.

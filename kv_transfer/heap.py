@@ -6,7 +6,8 @@ from heap tops trimmed back to the kernel after each free, so every message faul
 in again: a 512 MiB transfer cost the receiver ~64k page faults and about a third of its CPU
 time (perf: clear_page/exc_page_fault under recvmsg). Raising the mmap threshold above the
 message size and the trim threshold to a few messages lets freed buffers be reused, with the
-faults gone and ~35% less receiver CPU per byte (bench/kv_bench.py, docs/benchmarks.md).
+faults gone and ~35% less receiver CPU per byte (bench/kv_bench.py;
+docs/notebook/2026-12-03-kv-transfer-runs.md).
 
 The settings are process-wide (mallopt), which is why TransferConfig.grpc_tune_malloc can turn
 this off; the memory kept is bounded by the trim threshold per malloc arena.

@@ -2,14 +2,14 @@
 
 The simulator gives each request one TTFT and one TPOT: what the calibrated model expects of
 it. A served request on a shared machine lands somewhere around that, and not the same way
-twice: in the validation runs (docs/capacity-planning.md) the same request, replayed with the
-same arrivals, had its TPOT vary by ~13 % (standard deviation of the log, after each run's
-level is taken out) between repeats, whatever its length, and the requests with the slowest
-measured TPOT were only half of the ones predicted slowest. A percentile of the predictions is
-then not the expected percentile of a run: spreading every request by its own draw widens the
-distribution, so the p90 of a run lies above the p90 of the expectations (the 90th of 80 draws
-is mostly the upper tail of noise around the middle values), and the p50 of a gappy
-distribution moves into its gaps.
+twice: in `plan validate`'s repeats on a 2-core VM the same request, replayed with the same
+arrivals, has its TPOT vary by ~13 % (standard deviation of the log, after each run's level is
+taken out), whatever its length, and the requests with the slowest measured TPOT are only half
+of the ones predicted slowest (docs/notebook/2026-12-06-capacity-planning-validation-runs.md).
+A percentile of the predictions is then not the expected percentile of a run: spreading every
+request by its own draw widens the distribution, so the p90 of a run lies above the p90 of the
+expectations (the 90th of 80 draws is mostly the upper tail of noise around the middle values),
+and the p50 of a gappy distribution moves into its gaps.
 
 The load run gives that spread without touching the workload: its synthetic requests, simulated
 with the fitted model, against what the client measured (`residuals`). Per load run, the log of

@@ -36,9 +36,9 @@ def load_workload(rate: float, max_model_len: int, seed: int, num_requests: int 
     `grid`'s ranges, or, with `like` (the workload to be predicted), drawn from log-normal
     distributions with the mean and spread of its log prompt and output lengths: its input and
     output length distribution, as Dynamo's profiler takes the target ISL/OSL, never its
-    requests. The fit depends on where the lengths lie: with uniform 128-1,024-token prompts (the
-    fourteenth validation run) a quiet prompt's extra delay was read off prompts three times the
-    replayed trace's median length (185 tokens): 8-15 ms, where the replay's prompts paid ~5.
+    requests. The fit depends on where the lengths lie: uniform 128-1,024-token prompts are three
+    times the replayed trace's median length (185 tokens), and the quiet prompt's extra delay read
+    off them, 8-15 ms, overshoots the ~5 ms the replay's prompts pay.
     Held-out requests of the same trace do not match it either (past its first 1,000 the Azure
     conversation trace's prompts have a median of 520 tokens, outputs twice as long)."""
     from loadgen.workloads import WorkloadRequest, build_workload, gamma_arrivals
@@ -157,11 +157,12 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
     The calibration times b streams that start together on an otherwise idle cluster, and
     prefills one at a time. Under a Poisson load streams join and leave a running batch one by
     one, each arrival bringing a prefill, a KV hand-off and admissions while the others step,
-    and the workers, router and client share the host's cores. In the thirteenth validation run
-    (docs/capacity-planning.md) a lone stream was predicted right (measured / predicted mean gap
-    0.98-1.04) and each further stream decoding at the same time added 0.26-0.31; a prompt
-    prefilled while streams decoded elsewhere took ~0.3 x its prefill longer per such stream,
-    and one prefilled on a quiet host still ~5 ms longer than predicted. Fitted here:
+    and the workers, router and client share the host's cores. On a 2-core EPYC VM a lone stream
+    is predicted right (measured / predicted mean gap 0.98-1.04) and each further stream decoding
+    at the same time adds 0.26-0.31; a prompt prefilled while streams decode elsewhere takes
+    ~0.3 x its prefill longer per such stream, and one prefilled on a quiet host still ~5 ms
+    longer than predicted (docs/notebook/2026-12-05-capacity-planning-validation-runs.md).
+    Fitted here:
 
     - load_same: per request of at least `min_tokens` outputs, measured / predicted mean later
       gap - 1 = load_base + load_same x (streams decoding on its worker - 1) + load_other x
@@ -170,19 +171,19 @@ def fit_load(measured: list[dict], predicted: list[dict], first_token_delay_s: f
     - load_base: that fit's intercept, what a stream decoding alone pays under the load's
       arrivals over the idle calibration (prompts prefilled beside it, the router and client
       busy with other requests), fitted where at least MIN_LONE_STREAMS requests decoded alone,
-      else 0 (through the origin, as before). In the thirteenth validation run lone streams were
-      predicted right (0.98-1.04); in the data run of 2026-12-06 on a Xeon they ran 7.5 % over
-      the calibration on average, and streams alongside added nothing in 1P+1D (-0.04 per
-      stream with the intercept, +0.04 without, which left TPOT 3-4 % under at every length);
+      else 0 (the fit goes through the origin). Lone streams are predicted right on the EPYC VM
+      (0.98-1.04), but on a 2-core Xeon they run 7.5 % over the calibration on average while
+      streams alongside add nothing in 1P+1D (-0.04 per stream with the intercept, +0.04
+      without): through the origin, TPOT comes out 3-4 % under at every length;
     - load_other: that fit's term (where some request had a neighbour decode): what a decode
       step pays per stream a neighbour decodes;
     - load_other_prefill: the TTFT fit's: measured - predicted TTFT - ttft_offset =
       load_other_prefill x (predicted TTFT - first_token_delay_s) x (streams decoding on other
       workers during it): what a step that prefills pays. Each stands in for the other where
-      only one could be fitted (a disaggregated decode worker has no decoding neighbour). Until
-      the eighteenth validation run both were one factor, their mean; its colocated case had a
-      TTFT term of 0.53 against a gap term of 0.22, and the mean slowed every decode step next to
-      a decoding neighbour by 0.37 per stream: TPOT p90 +24 % (docs/capacity-planning.md);
+      only one could be fitted (a disaggregated decode worker has no decoding neighbour). Not
+      one factor, their mean: a colocated case can have a TTFT term of 0.53 against a gap term
+      of 0.22, and the mean would slow every decode step next to a decoding neighbour by 0.37
+      per stream: TPOT p90 +24 % (docs/notebook/2026-12-06-capacity-planning-validation-runs.md);
     - ttft_offset_s: the median of measured - predicted TTFT over requests no stream decoded
       beside (what the first token's path costs under the load's arrivals, over the idle
       calibration's), added to the first-token delay.

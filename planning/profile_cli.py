@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             print(f"{missing} not found (set PDCLUSTER_DATA)")
             return 1
-        for m, path in paths.items():  # the old uncalibrated guess, then the defaults
+        for m, path in paths.items():  # an uncalibrated guess, then the fitted defaults
             print(json.dumps({"model": m, "params": "guess mfu 0.5 bw_eff 0.8 no launch",
                               **crosscheck_vidur(path, mfu=0.5, bw_eff=0.8, launch_s=0.0)}))
             print(json.dumps({"model": m, "params": "defaults", **crosscheck_vidur(path)}))

@@ -120,9 +120,8 @@ def measure_serving(address: str, vocab: int, max_model_len: int, grid: dict = F
     # a row, the same prompts of the workload 640 ms minutes later), and repeats taken in rounds
     # rather than back to back spread a transient over every shape instead of one
     # plus `short_extra` more 16-token prompts per round: the first token's fixed delay and the
-    # idle TTFT are medians of short prompts, and with two or four samples the fifth validation
-    # run's calibrations of the same case put the delay at 11.5 and 17.6 ms, as far apart as
-    # the TTFT errors they caused
+    # idle TTFT are medians of short prompts, and with two or four samples two calibrations of
+    # the same case put the delay at 11.5 and 17.6 ms, as far apart as the TTFT errors they cause
     extra = [(16, 0)] * grid.get("short_extra", 0)
     rounds = [(r, t, c) for r in range(-1, grid["repeats"]) for t, c in grid["prefill"] + tuple(extra)]
     for r, t, c in tqdm(rounds, desc="served prefill", leave=False):
@@ -183,9 +182,8 @@ def _all_decoding(recs, prompts: list[int], min_gaps: int = 10) -> tuple[int, in
     first stream's last chunk. The mean, not the median: TPOT is a mean of gaps, and the
     occasional slow step (the process shares its core and GIL with output streaming) is part of
     it. None when that window holds fewer than `min_gaps` gaps: the streams' prefills were so
-    staggered that they never all decoded together (a middle third of each stream's gaps, used
-    before, then timed one or two streams and called it 32: a 32 x 1,536 shape came out faster
-    than 32 x 64)."""
+    staggered that they never all decoded together (a middle third of each stream's gaps would
+    time one or two streams and call it 32: a 32 x 1,536 shape then comes out faster than 32 x 64)."""
     if any(len(r.chunk_times_s) < 3 for r in recs):
         return None
     lo = max(r.start_s + r.chunk_times_s[1] for r in recs)
@@ -209,9 +207,9 @@ def measure_busy_ttft(address: str, vocab: int, rng: random.Random, step_s: floa
     submit) between its steps, on a process whose engine thread holds the GIL in between; the
     time this adds over an idle worker's TTFT shows here. `step_s` (a lone stream's served step)
     sizes the stream so that the prompts arrive while it decodes, and only prompts whose whole
-    TTFT lies inside its decoding count. Before, a 120-token stream ended after about a second
-    while six prompts spanned two, so half of them timed an idle worker and two calibrations of
-    the same case put the busy delay at 7.1 and 0 ms."""
+    TTFT lies inside its decoding count. A 120-token stream ends after about a second while
+    six prompts span two, so half of them would time an idle worker (two calibrations of the same
+    case then put the busy delay at 7.1 and 0 ms)."""
     tokens = max(min(800, max_model_len - 64 - 8), 1)
     spacing = min(max((0.8 * tokens * step_s - 0.4) / n, 0.05), 0.25)
     reqs = [WorkloadRequest(0, 0.0, 64, tokens, prompt_token_ids=_ids(rng, 64, vocab))]
@@ -231,8 +229,9 @@ def measure_interference(address: str, vocab: int, rng: random.Random, long_prom
     prefill's window against those outside. Returns {inside_s, outside_s, factor, gaps_inside,
     streams}. The streams outlast every window even at 10 ms a step (160 tokens against windows
     2.2 s apart left the factor resting on one prefill, 0.0 to 0.36 between runs). Eight
-    streams, not one: on the 2-core VM a busy neighbour slowed one stream by 0-19 % but a batch
-    of eight by 1.3-1.7x (docs/capacity-planning.md), and a loaded cluster decodes batches."""
+    streams, not one: on a 2-core VM a busy neighbour slows one stream by 0-19 % but a batch of
+    eight by 1.3-1.7x (docs/notebook/2026-12-05-capacity-planning-validation-runs.md), and a
+    loaded cluster decodes batches."""
     k = 400
     reqs = [WorkloadRequest(i, 0.0, 64, k, prompt_token_ids=_ids(rng, 64, vocab), decode_worker=stream_on)
             for i in range(streams)]

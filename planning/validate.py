@@ -116,9 +116,10 @@ def measure_case(case: Case, lm: LatencyModel, *, model: str, dtype: str, transp
     delay, prefill drift: serving_profile.CALIBRATE, synthetic requests only); replay the case's
     workload on it and measure (`predict_run` adds the prediction). With `bracket`, calibrate
     again after the replay and fit on both sets of points, so that the machine drifting while
-    the case runs (20-30 % in one repeat of the eighth run, docs/capacity-planning.md) falls on
-    the prediction as on the measurement; the prediction then uses synthetic requests timed on
-    both sides of the replay, still never the workload itself.
+    the case runs (by 20-30 % within one repeat on a 2-core VM;
+    docs/notebook/2026-12-05-capacity-planning-validation-runs.md) falls on the prediction as on
+    the measurement; the prediction then uses synthetic requests timed on both sides of the
+    replay, still never the workload itself.
 
     With `load` (and `calibrate`), a load run follows the first calibration: synthetic requests
     with the case's length distribution (not its requests) arriving at the case's rate
@@ -194,8 +195,9 @@ def validate(cases: list[Case], lm: LatencyModel, *, model: str, dtype: str, tra
     """Each case `repeats` times (fresh cluster, calibration and prediction each time). With
     `pool_load`, one load fit from the load runs of all the case's repeats (`fit_samples`)
     predicts every repeat: a load run of ~60 s holds 20-40 requests, and its first-token offset
-    alone, a median of the quiet ones, moved by ~5 ms between repeats of the fifteenth run
-    (docs/capacity-planning.md). Each repeat's own fit stays in its calibration ("load").
+    alone, a median of the quiet ones, moves by ~5 ms between repeats of a case
+    (docs/notebook/2026-12-05-capacity-planning-validation-runs.md). Each repeat's own fit stays
+    in its calibration ("load").
     With `disperse`, the predicted TTFT and TPOT figures are expectations over the per-request
     spread the load runs showed beyond the fitted model (`dispersion`; pooled over repeats)."""
     from planning import dispersion

@@ -150,7 +150,7 @@ def assert_same_greedy_up_to_ties(reference, candidate, hf, prompts, max_tokens:
 
 @pytest.mark.parametrize("arch,preset", [("llama", "tiny"), ("qwen3", "tiny"), ("llama", "bench")])
 def test_llm_greedy_tokens_match_torch_backend(arch, preset):
-    """On an H200 (2026-12-04) the bench model diverged in 5 of 7 prompts, each at a certified
+    """On an H200 the bench model diverges in 5 of 7 prompts, each at a certified
     near-tie: its random weights put 23 % of greedy positions within the tie margin (measured in
     float32 on CPU), so a bound on how many sequences may diverge is no test there. Forcing the
     candidate back onto the reference after each tie checks every position instead."""
