@@ -8,6 +8,8 @@ Every worker runs this same step, in this order:
   3. run the model; `KVConnector.save_layer` is called as each layer's K/V is written
   4. sample; the first token of each send goes after its KV (`finish_save`)
   5. outputs: every request whose output changed, ended ones (aborted, failed) included
+A step that raises (a model or sampler error) ends only the requests of its batch, each with
+finish_reason "error" naming the exception; the next step runs as usual.
 
 `LLM` (llm.py) adds the batch `generate` API; the prefill and decode workers configure an
 EngineCore (its connector, their policies) and call only its methods.
@@ -279,7 +281,10 @@ class EngineCore:
         if batch.empty:
             return outputs
         on_layer = self.connector.save_layer if batch.saving else None
-        sampled = self.runner.execute(batch, on_layer=on_layer)
+        try:
+            sampled = self.runner.execute(batch, on_layer=on_layer)
+        except Exception as exc:  # fail this batch's requests, not the worker (nor the next batch)
+            return outputs + self._outputs(self._fail_batch(batch, exc))
         failed = []
         for req in batch.saving:
             error = self.connector.finish_save(req, sampled[req][0]) if req in sampled else None
@@ -289,6 +294,17 @@ class EngineCore:
         changed = sched.update(batch, sampled)
         self._generated.append((time.monotonic(), len(changed)))  # one token each, sampled here
         return outputs + self._outputs(failed + changed)
+
+    def _fail_batch(self, batch, exc: Exception) -> list[Request]:
+        """A step raised: every request it ran ends with finish_reason "error" naming the
+        exception (their pages come back; a send it started is cancelled); the engine goes on."""
+        error = f"engine step failed: {type(exc).__name__}: {exc}"[:500]
+        log.exception("engine step of %d requests failed; they end with an error", len(batch.requests))
+        for req in batch.requests:
+            self.scheduler.finish(req, error)
+            if req in batch.saving:
+                self.connector.cancel(req)
+        return list(batch.requests)
 
     def _outputs(self, reqs: list[Request]) -> list[RequestOutput]:
         outputs = []

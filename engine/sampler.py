@@ -100,17 +100,31 @@ def _sample_rows(
     rows, vocab = logits.shape
     dev = logits.device
     temps = [p.temperature for p in params]
-    x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev).unsqueeze(1)
-
+    x = torch.nan_to_num(logits, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     topk_ids: torch.Tensor | None = None
     if any(k < vocab for k in ks):
-        # Keep logits >= the k-th largest; rows without top-k get a -inf threshold.
+        # Keep logits >= the k-th largest (on the raw logits: the ranking is the temperature's
+        # too, and float rounding after scaling could tie values that differ); rows without
+        # top-k get a -inf threshold.
         kmax = max(k for k in ks if k < vocab)
         kth, topk_ids = torch.topk(x, kmax, dim=-1, sorted=True)
         thr_k = kth.gather(1, torch.tensor([min(k, kmax) - 1 for k in ks], device=dev).unsqueeze(1))
         limited = torch.tensor([k < vocab for k in ks], device=dev).unsqueeze(1)
         x = x.masked_fill(limited & (x < thr_k), -math.inf)
+    # Measured from each row's largest logit, before the temperature divides it: the largest
+    # become 0 and the rest <= 0, so no temperature (subnormal or huge) and no infinite logit
+    # can make a nan. A row whose largest is +inf keeps only those; a row of -inf (or nan)
+    # logits has no preference left, and samples uniformly.
+    x = x - x.amax(dim=-1, keepdim=True)
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)  # inf - inf: the maxima of those rows
+    if not all(t == 1.0 for t in temps):
+        # float32 holds neither a subnormal temperature nor 1e308: clamped to its range, a tiny
+        # one still sends every logit below the largest to -inf, and a huge one every finite
+        # logit to ~0 while -inf stays -inf (an overflow to inf would make -inf / inf a nan)
+        f32 = torch.finfo(torch.float32)
+        t = torch.tensor([min(max(t, f32.tiny), f32.max) for t in temps], device=dev)
+        x = x / t.unsqueeze(1)
     # Work in probabilities from here: exp() over -inf entries is a slow path on CPUs, the
     # fused softmax is not, and top-p and min-p are both defined on probabilities.
     probs = torch.softmax(x, dim=-1)
@@ -178,7 +192,7 @@ def _top_p_threshold(
         else:
             desc = torch.sort(rows_p, dim=-1, descending=True).values
         before = torch.cumsum(desc, dim=-1) - desc
-        n_keep = (before < top_p.index_select(0, pending)).sum(dim=-1)  # >= 1 as top_p > 0
+        n_keep = (before < top_p.index_select(0, pending)).sum(dim=-1).clamp(min=1)  # >= 1 as top_p > 0
         value = value.index_copy(0, pending, desc.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1))
         # The nucleus reached the last candidate, so it may continue past it: widen those rows.
         pending = pending[n_keep >= n_cand]

@@ -171,3 +171,32 @@ def test_half_precision_runs_close_to_float32(model_dir, make_llm, dtype):
         # The half-precision choice is among float32's top 5, with a logprob close to float32's.
         assert g.token_ids[0] in ref_lp
         assert abs(ref_lp[g.token_ids[0]] - g.logprobs[0].logprob) < 0.1
+
+
+def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(model_dir, make_llm):
+    """An exception while a batch runs (injected into the model runner: a stand-in, named so,
+    for any model or sampler error) ends the requests of that batch with finish_reason "error"
+    naming it and frees their pages; a request that was not in the batch, and every later one,
+    is served exactly."""
+    llm = make_llm(model_dir, page_size=16, max_num_seqs=1)
+    prompts = random_prompts([30, 40], 2048, seed=9)
+    want = make_llm(model_dir, page_size=16).generate([prompts[1]], GREEDY)[0].token_ids
+    first = llm.add_request(prompts[0], GREEDY)
+    second = llm.add_request(prompts[1], GREEDY)  # waits: one sequence at a time
+    real = llm.runner.execute
+
+    def broken_once(batch, on_layer=None):
+        llm.runner.execute = real
+        raise RuntimeError("injected fault")
+
+    llm.runner.execute = broken_once
+    outs = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs[first].finish_reason == "error" and "RuntimeError: injected fault" in outs[first].error
+    assert outs[first].token_ids == []
+    assert outs[second].finish_reason == "length" and outs[second].token_ids == want
+    assert llm.num_free_pages == llm.num_pages
+    assert llm.generate([prompts[1]], GREEDY)[0].token_ids == want
