@@ -27,4 +27,5 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
     eos = list(cfg.eos_token_ids) or ([frontend.tokenizer.eos_token_id] if frontend.tokenizer.eos_token_id is not None else [])
     service = InferenceService(frontend, dispatcher, model_id=frontend.model_dir.name, architecture=cfg.architecture,
                                eos_token_ids=eos, max_inflight=max_inflight, max_queue=max_queue)
-    return RouterServer(service, host, port, warm_up=warm_up)
+    return RouterServer(service, host, port, warm_up=warm_up,
+                        max_message_bytes=frontend.limits.request_bytes(frontend.max_model_len))

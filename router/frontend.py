@@ -29,14 +29,31 @@ class RequestError(Exception):
         self.code = code
 
 
+CHARS_PER_TOKEN = 32  # a prompt of max_model_len tokens is never longer than this many characters a token
+
+
 @dataclass(slots=True, frozen=True)
 class FrontendLimits:
-    max_prompt_chars: int = 1 << 20
+    max_prompt_chars: int = 1 << 20  # further capped at CHARS_PER_TOKEN x max_model_len
     max_messages: int = 256
     max_stop: int = 16
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
     default_max_tokens: int = 16
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The longest prompt text worth tokenizing: one longer cannot fit the context."""
+        return min(self.max_prompt_chars, CHARS_PER_TOKEN * max_model_len)
+
+    def request_bytes(self, max_model_len: int) -> int:
+        """The largest request message the server takes: the longest text (UTF-8, up to 4 bytes
+        a character) or token-id list (up to 10 bytes an id) that can fit the context, the
+        stop strings, and room for the other fields. Larger ones are refused by gRPC itself
+        (RESOURCE_EXHAUSTED) before a byte of them is parsed."""
+        text = 4 * self.prompt_chars(max_model_len) + 16 * self.max_messages
+        ids = 10 * max_model_len
+        stops = 4 * self.max_stop * self.max_stop_chars + 10 * self.max_stop_token_ids
+        return max(text, ids) + stops + (64 << 10)
 
 
 @dataclass(slots=True)
@@ -83,6 +100,10 @@ class Frontend:
         lim = self.limits
         if len(messages) > lim.max_messages:
             raise RequestError(f"messages has {len(messages)} entries; at most {lim.max_messages} allowed")
+        total = sum(len(m.content) for m in messages)
+        if total > lim.prompt_chars(self.max_model_len):
+            raise RequestError(f"messages have {total} characters of content; at most "
+                               f"{lim.prompt_chars(self.max_model_len)} allowed (max_model_len={self.max_model_len})")
         chat = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
@@ -99,8 +120,10 @@ class Frontend:
             raise RequestError(f"messages: the model's chat template refused them: {exc}") from exc
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
-        if len(text) > self.limits.max_prompt_chars:
-            raise RequestError(f"{field} has {len(text)} characters; at most {self.limits.max_prompt_chars} allowed")
+        limit = self.limits.prompt_chars(self.max_model_len)
+        if len(text) > limit:
+            raise RequestError(f"{field} has {len(text)} characters; at most {limit} allowed (max_model_len="
+                               f"{self.max_model_len} tokens)")
         return self.tokenizer.encode(text)
 
     def tokens_of(self, request) -> tuple[list[int], str]:
@@ -118,10 +141,13 @@ class Frontend:
             rendered = self.render_messages(request.messages)
             ids = self.encode(rendered, "messages")
         else:
+            if len(request.prompt_token_ids) >= self.max_model_len:  # before looking at any id
+                raise RequestError(f"the prompt has {len(request.prompt_token_ids)} tokens; it must be shorter than "
+                                   f"max_model_len={self.max_model_len}")
             ids, rendered = list(request.prompt_token_ids), ""
-            for i, t in enumerate(ids):
-                if t >= self.vocab_size:
-                    raise RequestError(f"prompt_token_ids[{i}] = {t} is out of range [0, {self.vocab_size})")
+            if max(ids, default=0) >= self.vocab_size:
+                i = next(i for i, t in enumerate(ids) if t >= self.vocab_size)
+                raise RequestError(f"prompt_token_ids[{i}] = {ids[i]} is out of range [0, {self.vocab_size})")
         if not ids:
             raise RequestError(f"{given[0]} tokenizes to no tokens")
         if len(ids) >= self.max_model_len:

@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdcluster.v1 import inference_pb2 as pb
-from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 from router.service import InferenceService
+from router.wire import safe_deserializer
 
 log = logging.getLogger(__name__)
 WARM_UP_PROMPT = [1, 2, 3, 4]
@@ -46,9 +46,9 @@ class RouterServer:
 
     async def start(self) -> str:
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes), ("grpc.so_reuseport", 0)]
+                ("grpc.max_send_message_length", max(self.max_message_bytes, 16 << 20)), ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(options=opts)
-        pb_grpc.add_InferenceServicer_to_server(self.service, server)
+        _add_inference_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -96,3 +96,24 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
             self._refresher = None
+
+
+def _add_inference_service(service: InferenceService, server: grpc.aio.Server) -> None:
+    """The generated `add_InferenceServicer_to_server`, with requests decoded by
+    `safe_deserializer`: a request that does not parse (a string field that is not UTF-8)
+    reaches the handler as a BadRequest, which answers INVALID_ARGUMENT naming the field."""
+    def handler(kind, method, request_cls, response_cls):
+        return kind(method, request_deserializer=safe_deserializer(request_cls),
+                    response_serializer=response_cls.SerializeToString)
+
+    handlers = {
+        "Generate": handler(grpc.unary_stream_rpc_method_handler, service.Generate, pb.GenerateRequest,
+                            pb.GenerateResponse),
+        "ModelInfo": handler(grpc.unary_unary_rpc_method_handler, service.ModelInfo, pb.ModelInfoRequest,
+                             pb.ModelInfoResponse),
+        "ClusterStatus": handler(grpc.unary_unary_rpc_method_handler, service.ClusterStatus, pb.ClusterStatusRequest,
+                                 pb.ClusterStatusResponse),
+        "Tokenize": handler(grpc.unary_unary_rpc_method_handler, service.Tokenize, pb.TokenizeRequest,
+                            pb.TokenizeResponse),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -16,6 +16,7 @@ from engine.load import WorkerLoad
 from router.dispatch import Chunk, Dispatcher, RequestStats
 from router.frontend import Frontend, RequestError
 from router.metrics import RouterMetrics, log_request
+from router.wire import BadRequest
 from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
@@ -38,12 +39,16 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.draining = False
         self.metrics = RouterMetrics(lambda: dispatcher.views)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if self.draining:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the router is draining")
         try:
-            prepared = self.frontend.prepare(request)
+            # validation, tokenization and chat templating off the event loop: a large request
+            # must not hold up every other stream and call
+            prepared = await asyncio.to_thread(self.frontend.prepare, request)
         except RequestError as exc:
             await self._abort(context, exc.code, str(exc))
         rid = prepared.request_id
@@ -147,19 +152,25 @@ class InferenceService(pb_grpc.InferenceServicer):
                                    local_prefill=s.local_prefill, attempts=s.attempts))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         f = self.frontend
         return pb.ModelInfoResponse(model_id=self.model_id, architecture=self.architecture, vocab_size=f.vocab_size,
                                     max_model_len=f.max_model_len, eos_token_ids=self.eos_token_ids,
                                     has_chat_template=f.has_chat_template, hash_page_size=f.hash_page_size)
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
-            ids, rendered = self.frontend.tokens_of(request)
+            ids, rendered = await asyncio.to_thread(self.frontend.tokens_of, request)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         return pb.TokenizeResponse(token_ids=ids, rendered=rendered)
 
     async def ClusterStatus(self, request, context) -> pb.ClusterStatusResponse:
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         await self.dispatcher.refresh_loads()
         workers = []
         for v in self.dispatcher.views.values():

@@ -127,7 +127,44 @@ BAD = [
      "messages[0].content"),
     ("bad request_id", dict(request_id="has space", prompt="a"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     ("request_id too long", dict(request_id="r" * 200, prompt="a"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    # cheap size checks before any per-id or tokenizer work (max_model_len 256: 8,192 characters)
+    ("far too many ids", dict(prompt_token_ids=[99999] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+    ("prompt text too long", dict(prompt="word " * 2000), grpc.StatusCode.INVALID_ARGUMENT, "at most 8192"),
+    ("chat content too long", dict(messages=[pb.ChatMessage(role="user", content="x" * 9000)]),
+     grpc.StatusCode.INVALID_ARGUMENT, "at most 8192"),
+    ("message larger than the request limit", dict(prompt="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "larger than max"),
 ]
+
+
+def raw_generate(server, payload: bytes) -> grpc.RpcError:
+    """A Generate call with hand-made request bytes; the error it ends with."""
+    channel = grpc.insecure_channel(server.address)
+    call = channel.unary_stream("/pdcluster.v1.Inference/Generate", request_serializer=lambda b: b,
+                                response_deserializer=pb.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(payload, timeout=30))
+    return err.value
+
+
+def test_strings_that_are_not_utf8_are_invalid_argument_naming_the_field(router):
+    def corrupt(req: pb.GenerateRequest, needle: bytes) -> bytes:
+        data = bytearray(req.SerializeToString())
+        data[data.index(needle)] = 0xFF
+        return bytes(data)
+
+    cases = [(pb.GenerateRequest(prompt="hello"), b"hello", "prompt must be valid UTF-8"),
+             (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi"),
+                                           pb.ChatMessage(role="user", content="zzzq")]), b"zzzq",
+              "messages[1].content must be valid UTF-8"),
+             (pb.GenerateRequest(prompt="a", sampling=S(stop=["ok", "qqqq"])), b"qqqq", "sampling.stop[1]")]
+    for req, needle, message in cases:
+        err = raw_generate(router["main"], corrupt(req, needle))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details(), err.details()
+    err = raw_generate(router["main"], b"\xff\xff\xff")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid pdcluster.v1.GenerateRequest" in err.details()
+    ids, _, last = collect(stub(router["main"]), pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=3)))
+    assert len(ids) == 3 and last.finish_reason == "length"
 
 
 def test_bad_requests_get_status_codes_then_server_serves(router):
@@ -150,7 +187,7 @@ def test_bad_requests_get_status_codes_then_server_serves(router):
     slow.cancel()
     ids, _, last = collect(s, pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=4, temperature=0)))
     assert len(ids) >= 1 and last.finish_reason in ("stop", "length")
-    assert len(BAD) + 2 >= 20
+    assert len(BAD) + 2 >= 24
     wait_free(s)
 
 
