@@ -43,7 +43,8 @@ class AsyncWorker:
         self._channels: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self.engine = EngineLoop(self.worker, f"{name}-engine", self._on_step)
+        self._dead: BaseException | None = None
+        self.engine = EngineLoop(self.worker, f"{name}-engine", self._on_step, self._on_death)
 
     # ---- what callers use -----------------------------------------------------------------
     async def call(self, method: str, *args, channel: str | None = None) -> Any:
@@ -66,13 +67,21 @@ class AsyncWorker:
             raise
 
     async def outputs(self, channel: str) -> AsyncIterator[list]:
-        """Every output of the requests opened on `channel`, in lists of what is ready."""
+        """Every output of the requests opened on `channel`, in lists of what is ready. Raises
+        once the engine loop has died: the caller's open requests end with that error."""
         self._bind_loop()
         q = self._queue(channel)
         while True:
-            batch = await q.get()
+            item = await q.get() if self._dead is None else self._dead
+            if isinstance(item, BaseException):
+                raise RuntimeError(f"the worker's engine loop died: {type(item).__name__}: {item}")
+            batch = list(item)
             while not q.empty():
-                batch += q.get_nowait()
+                more = q.get_nowait()
+                if isinstance(more, BaseException):  # after this batch: what came before it first
+                    q.put_nowait(more)
+                    break
+                batch += more
             yield batch
 
     async def load(self) -> WorkerLoad:
@@ -108,6 +117,17 @@ class AsyncWorker:
         if by_channel and self._loop is not None:
             # One wake-up of the event loop per step, not one per output.
             self._loop.call_soon_threadsafe(self._deliver, by_channel)
+
+    def _on_death(self, exc: BaseException) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_channels, exc)
+        else:
+            self._dead = exc
+
+    def _fail_channels(self, exc: BaseException) -> None:
+        self._dead = exc
+        for q in self._channels.values():
+            q.put_nowait(exc)
 
     def _deliver(self, by_channel: dict[str, list]) -> None:
         for channel, outs in by_channel.items():

@@ -31,20 +31,26 @@ _WAKE = object()
 
 
 class EngineLoop:
-    def __init__(self, worker: Any, name: str, on_step: Callable[[Any], None] = lambda result: None) -> None:
+    def __init__(self, worker: Any, name: str, on_step: Callable[[Any], None] = lambda result: None,
+                 on_death: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.worker = worker
         self._on_step = on_step
+        self._on_death = on_death
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self.num_steps = 0  # steps run: an idle worker runs none
+        self.error: BaseException | None = None  # what ended the loop, if anything did
         worker.core.set_wakeup(self.wake)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
-        """Run `fn()` on the engine thread, between steps."""
+        """Run `fn()` on the engine thread, between steps. Once the loop has died, the future
+        fails at once with the reason."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((fn, fut))
+        if self.error is not None:  # after the put: the dying loop may have drained before it
+            self._fail_pending()
         return fut
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -65,6 +71,25 @@ class EngineLoop:
         self.worker.close()
 
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        except BaseException as exc:  # a step's own errors end only its requests (EngineCore.step)
+            log.exception("%s: the engine loop died; the worker is out of service", self._thread.name)
+            self.error = exc
+            self._fail_pending()
+            self._on_death(exc)
+
+    def _fail_pending(self) -> None:
+        reason = RuntimeError(f"the engine loop died: {type(self.error).__name__}: {self.error}")
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _WAKE and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(reason)
+
+    def _run_loop(self) -> None:
         import torch  # here, not at the top: a Ray actor handle of AsyncWorker imports this module
         # wherever it is unpickled, the router's process included, which never loads torch
 
@@ -86,9 +111,4 @@ class EngineLoop:
                         fut.set_exception(exc)
                 continue
             self.num_steps += 1
-            try:
-                result = worker.step()
-            except BaseException:
-                log.exception("%s: engine step failed; the loop stops", self._thread.name)
-                raise
-            self._on_step(result)
+            self._on_step(worker.step())

@@ -39,6 +39,7 @@ class RouterServer:
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task | None = None
+        self._health_status = None  # last status set on self.health
 
     @property
     def address(self) -> str:
@@ -67,16 +68,38 @@ class RouterServer:
             self.metrics_url = f"http://{self.host}:{port}/metrics"
             log.info("router metrics on %s", self.metrics_url)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._update_health()
         log.info("router serving %s on %s", SERVICE_NAME, self.address)
         return self.address
+
+    def missing_role(self) -> str | None:
+        """Why the cluster cannot serve now (a role it needs has no healthy worker), or None."""
+        d = self.service.dispatcher
+        decodes = [d.views[w] for w in d.decodes]
+        if not any(v.healthy for v in decodes):
+            return "no healthy decode or colocated worker"
+        if any(v.role == "decode" for v in decodes) and not any(d.views[w].healthy for w in d.prefills):
+            return "no healthy prefill worker"
+        return None
+
+    async def _update_health(self) -> None:
+        """grpc.health.v1 tells the truth: SERVING only while every role the cluster needs has a
+        healthy worker and the router is not draining."""
+        missing = "draining" if self.service.draining else self.missing_role()
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if missing else health_pb2.HealthCheckResponse.SERVING
+        if status != self._health_status:
+            self._health_status = status
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+            log.warning("router health %s%s", health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+                        f": {missing}" if missing else "")
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.load_refresh_s)
             try:
                 await self.service.dispatcher.refresh_loads(self.load_timeout_s)
+                await self._update_health()
             except Exception as exc:  # never let placement data stop the router
                 log.warning("load refresh failed: %s", exc)
 
@@ -84,8 +107,7 @@ class RouterServer:
         """Drain: health NOT_SERVING, refuse new requests, let running ones finish within
         grace_s (then cancel them, which frees their pages), stop."""
         self.service.draining = True
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._update_health()
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None

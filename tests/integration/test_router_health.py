@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kv_transfer import TransferConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
@@ -129,3 +130,39 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
         loop.run(server.stop(1.0))
         close(ph, dh0, dh1)
         loop.close()
+
+
+class LoopKiller(BaseException):
+    """Fault injection, named so: what only a bug or the interpreter could raise in a step."""
+
+
+def test_a_dead_engine_loop_is_reported_at_once_and_health_says_not_serving(router):
+    """A worker whose engine loop has died answers every call at once with the reason: its
+    load refresh takes it out of placement, the request it held ends with UNAVAILABLE instead
+    of waiting for its deadline, and grpc.health.v1 says NOT_SERVING while no prefill worker is
+    healthy."""
+    server, ph, workers = router
+    prefill = workers[0]
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+
+    def serving() -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Inference")).status
+
+    assert serving() == health_pb2.HealthCheckResponse.SERVING
+
+    def die():
+        raise LoopKiller("injected")
+
+    prefill.step = die  # the next step this worker takes kills its loop
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub(server), request(), timeout=60)  # a deadline far away: only the loss ends it early
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    view = server.service.dispatcher.views["prefill-0"]
+    wait_until(lambda: not view.healthy, 5, 0.01, "prefill-0 out of placement")
+    assert "engine loop died" in view.error and "LoopKiller" in view.error
+    wait_until(lambda: serving() == health_pb2.HealthCheckResponse.NOT_SERVING, 5, 0.01, "health NOT_SERVING")
+    assert "no healthy prefill worker" in server.missing_role()
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub(server), request(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()
+    pages_back(workers[1])  # the decode worker freed the pages it had reserved
