@@ -29,6 +29,11 @@ class WorkerSpec:
     local: bool = True        # bind loopback (a local cluster) or the node's address
     begin_timeout_s: float = 300.0
 
+    @property
+    def node(self) -> str:
+        """The address of the node this runs on (asked in the actor's process)."""
+        return _node_address()
+
     def __call__(self):
         import torch
 
@@ -54,8 +59,10 @@ class WorkerSpec:
 
 
 def _bind_host(local: bool) -> str:
-    if local:
-        return "127.0.0.1"
+    return "127.0.0.1" if local else _node_address()
+
+
+def _node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()

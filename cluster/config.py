@@ -100,6 +100,10 @@ class PoolConfig(_Strict):
         "PACK", description="Ray placement group strategy for the pool (one bundle per replica): PACK prefers few "
                             "nodes, SPREAD distinct nodes; STRICT_PACK requires one node, STRICT_SPREAD a "
                             "different node per replica")
+    max_restarts: int = Field(10, ge=0, le=1000,
+                              description="how often Ray restarts a lost worker of the pool (a killed process, a lost "
+                                          "node) in its placement group bundle before giving it up as dead; the router "
+                                          "warms a restarted worker up before placing on it again; 0: never")
 
 
 class TransportSettings(_Strict):

@@ -97,11 +97,11 @@ class Cluster:
         extra = {k: v for k, v in shape.bundle().items() if k not in ("CPU", "GPU")}
         opts = dict(num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, resources=extra or None,
                     scheduling_strategy=strategy_cls(placement_group=pg, placement_group_bundle_index=index),
-                    max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}")
+                    max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}", max_restarts=pool.max_restarts)
         wid = f"{pool.name}-{index}"
         t = self.config.transport
         spec = WorkerSpec(pool.role, self.config.model, pool.engine, t.kind, t.deadline_s, local, t.begin_timeout_s)
-        actor = ray.remote(AsyncWorker).options(**opts).remote(spec, wid)
+        actor = ray.remote(AsyncWorker).options(**opts).remote(spec, wid, True)  # exit on a dead loop: Ray restarts
         return WorkerRecord(wid, pool.name, pool.role, actor)
 
     def stop(self, grace_s: float = 5.0) -> None:

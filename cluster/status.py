@@ -23,12 +23,23 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(f"router {args.address}: policy {st.policy}, {st.inflight_requests}/{st.max_inflight} in flight, "
           f"{st.queued_requests}/{st.max_queue} queued, {st.requests_served} served, {st.requests_failed} failed")
-    print(f"{'worker':<16}{'pool':<12}{'role':<10}{'ok':<4}{'KV used':>14}{'running':>9}{'waiting':>9}"
-          f"{'queued tok':>11}{'tok/s':>8}{'prefix hit':>11}{'placed':>8}")
+    print(f"{'worker':<16}{'role':<10}{'state':<10}{'ok':<4}{'pid':>8}  {'node':<16}{'restarts':>8}{'KV used':>15}"
+          f"{'running':>8}{'waiting':>8}{'queued tok':>11}{'tok/s':>8}{'prefix hit':>11}{'placed':>7}")
+    notes = []
     for w in st.workers:
         used = w.total_pages - w.free_pages
         kv = f"{used}/{w.total_pages} ({used / w.total_pages:.0%})" if w.total_pages else "-"
-        print(f"{w.worker_id:<16}{w.pool:<12}{w.role:<10}{'yes' if w.healthy else 'NO':<4}{kv:>14}"
-              f"{w.running_requests:>9}{w.waiting_requests:>9}{w.queued_tokens:>11}{w.tokens_per_s:>8.1f}"
-              f"{w.prefix_cache_hit_rate:>11.0%}{w.requests_placed:>8}" + (f"  {w.error}" if w.error else ""))
+        print(f"{w.worker_id:<16}{w.role:<10}{w.state or '-':<10}{'yes' if w.healthy else 'NO':<4}{w.pid or '-':>8}  "
+              f"{w.node or '-':<16}{w.restarts:>8}{kv:>15}{w.running_requests:>8}{w.waiting_requests:>8}"
+              f"{w.queued_tokens:>11}{w.tokens_per_s:>8.1f}{w.prefix_cache_hit_rate:>11.0%}{w.requests_placed:>7}")
+        if w.error or w.last_error:
+            notes.append(f"  {w.worker_id}: {_one_line(w.error or w.last_error)}"
+                         + (" (now serving)" if w.healthy and not w.error else ""))
+    if notes:  # reasons below the table, one line each: a remote traceback never breaks it
+        print("\n".join(["why:", *notes]))
     return 0
+
+
+def _one_line(text: str, width: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."

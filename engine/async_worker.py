@@ -33,10 +33,14 @@ from engine.loop import EngineLoop
 
 
 class AsyncWorker:
-    def __init__(self, worker: Any, name: str = "worker") -> None:
+    def __init__(self, worker: Any, name: str = "worker", exit_on_death: bool = False) -> None:
         """`worker`: a worker object, or a callable that builds one in this process (what a
-        Ray actor is given: the worker's own process must create its engine)."""
+        Ray actor is given: the worker's own process must create its engine). With
+        `exit_on_death` (a Ray actor's), a dead engine loop ends the process once its open
+        requests have been told, so that Ray restarts the worker."""
+        self.exit_on_death = exit_on_death
         gc_pauses()  # time this process's garbage collections from the start
+        self.node = getattr(worker, "node", "")  # a factory may know its node's address
         self.worker = worker if hasattr(worker, "step") else worker()
         self.calls = frozenset(self.worker.CALLS)
         self._routes: dict[str, str] = {}  # request id -> channel, until its finished output
@@ -86,7 +90,7 @@ class AsyncWorker:
 
     async def load(self) -> WorkerLoad:
         load = await self.engine.run(self.worker.load)
-        load.gc = gc_pauses().stats()
+        load.gc, load.pid, load.node = gc_pauses().stats(), os.getpid(), self.node
         return load
 
     async def ready(self) -> int:
@@ -128,6 +132,8 @@ class AsyncWorker:
         self._dead = exc
         for q in self._channels.values():
             q.put_nowait(exc)
+        if self.exit_on_death:  # let the output streams carry the error out first
+            self._loop.call_later(1.0, os._exit, 70)
 
     def _deliver(self, by_channel: dict[str, list]) -> None:
         for channel, outs in by_channel.items():

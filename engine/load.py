@@ -27,3 +27,5 @@ class WorkerLoad:
     num_local_prefills: int = 0    # decode: prompts prefilled here instead of transferred
     num_reprefills: int = 0        # decode: failed transfers prefilled here instead
     gc: GcPauseStats | None = None  # the worker process's garbage collections (its host sets it)
+    pid: int = 0                   # the worker's process (its host sets it): a new one means a restart
+    node: str = ""                 # the address of the node it runs on ("" in process)

@@ -40,6 +40,8 @@ from router.frontend import PreparedRequest, RequestError
 from router.handles import WorkerHandle
 from router.policy import PlacementPolicy, WorkerView
 
+WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
+
 log = logging.getLogger(__name__)
 
 
@@ -105,6 +107,7 @@ class Dispatcher:
         self._started = time.monotonic()
         self._load_calls: dict[str, asyncio.Task] = {}  # at most one pending load() per worker
         self._answered: dict[str, float] = {}           # when each worker's load last answered
+        self._warming: dict[str, asyncio.Task] = {}     # restarted workers being warmed up
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
@@ -112,6 +115,9 @@ class Dispatcher:
         running for the next refresh (the worker is mid-step); see the module docstring."""
         async def one(wid: str, handle) -> None:
             view = self.views[wid]
+            lost = handle.take_lost()
+            if lost is not None and view.state != "dead":  # its output stream failed: the process is gone
+                self._out(view, "replacing", f"lost: {type(lost).__name__}: {_first_line(lost)}")
             call = self._load_calls.get(wid)
             if call is None:
                 call = self._load_calls[wid] = asyncio.ensure_future(handle.load())
@@ -119,19 +125,55 @@ class Dispatcher:
                 load = await asyncio.wait_for(asyncio.shield(call), timeout_s)
             except asyncio.TimeoutError:
                 silent = time.monotonic() - self._answered.get(wid, self._started)
-                if silent > self.unresponsive_after_s:
-                    view.healthy = False
-                    view.error = f"no load answer for {silent:.1f} s (unresponsive_after_s={self.unresponsive_after_s:g})"
+                if silent > self.unresponsive_after_s and view.healthy:
+                    self._out(view, view.state, f"no load answer for {silent:.1f} s "
+                                                f"(unresponsive_after_s={self.unresponsive_after_s:g})")
                 return
             except Exception as exc:  # the worker's process or actor is gone: out of placement
-                view.healthy, view.error = False, f"{type(exc).__name__}: {exc}"[:300]
+                # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
+                # once it gave up; anything else (its engine loop died in a live process) is dead too
+                state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
+                self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
             else:
-                view.load, view.healthy, view.error = load, True, ""
                 self._answered[wid] = time.monotonic()
+                self._loaded(wid, view, load)
             if self._load_calls.get(wid) is call:
                 del self._load_calls[wid]
 
         await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
+
+    @staticmethod
+    def _out(view: WorkerView, state: str, error: str) -> None:
+        view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
+
+    def _loaded(self, wid: str, view: WorkerView, load) -> None:
+        """A load answered. A worker answering from a new process (Ray restarted it) is warmed up
+        (its KV transfer handshakes done) before it is placed on again."""
+        view.load = load
+        if view.pid and load.pid and load.pid != view.pid:
+            view.restarts += 1
+            if view.state != "replacing":
+                self._out(view, "replacing", f"restarted: process {view.pid} -> {load.pid}")
+        view.pid, view.node = load.pid, load.node
+        if view.state in ("replacing", "dead"):
+            view.state = "replacing"
+            if wid not in self._warming:
+                task = asyncio.get_running_loop().create_task(self._rejoin(wid))
+                self._warming[wid] = task
+                task.add_done_callback(lambda t, wid=wid: self._warming.pop(wid, None))
+            return
+        view.healthy, view.error, view.state = True, "", "serving"
+
+    async def _rejoin(self, wid: str) -> None:
+        view = self.views[wid]
+        try:
+            await self.warm_up(WARM_UP_PROMPT, only=wid)
+        except Exception as exc:
+            view.error = f"warm-up after a restart failed: {_first_line(exc)}"[:300]
+            await asyncio.sleep(1.0)  # the next load refresh tries again, not at once
+            return
+        view.healthy, view.error, view.state = True, "", "serving"
+        log.warning("worker %s is back in placement (restart %d)", wid, view.restarts)
 
     def _candidates(self, ids, exclude=()) -> list[WorkerView]:
         return [self.views[w] for w in ids if w not in exclude and self.views[w].healthy]
@@ -281,7 +323,7 @@ class Dispatcher:
                 raise RequestError(f"prefill failed on {sorted(tried)}: {result.error}", grpc.StatusCode.UNAVAILABLE)
 
     # ---- start-up ---------------------------------------------------------------------------
-    async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0) -> int:
+    async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0, only: str | None = None) -> int:
         """One greedy one-token request through every (prefill, decode) pair, so each pair's
         transfer handshake (connection, compatibility check) is done before the router says
         SERVING. Pairs run one after another (start-up is not latency-critical and a shared CPU
@@ -289,7 +331,8 @@ class Dispatcher:
         they are skipped. Raises RuntimeError naming the pair that failed; returns the number
         of pairs warmed."""
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"]
+        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"
+                 and (only is None or only in (p.worker_id, d.worker_id))]
         for prefill, decode in pairs:
             rid = f"warm-up:{prefill.worker_id}->{decode.worker_id}"
             try:
@@ -364,6 +407,12 @@ async def _admitted(decode: WorkerHandle, rid: str) -> Admission:
         raise RequestError(f"request ended on decode worker {decode.worker_id} while queued for pages: "
                            f"{out.finish_reason}: {out.error or 'no detail'}", grpc.StatusCode.UNAVAILABLE)
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line: a Ray error carries a whole remote traceback."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _capacity(view: WorkerView) -> int:

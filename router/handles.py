@@ -53,6 +53,7 @@ class WorkerHandle:
         self.channel = f"{worker_id}-{uuid.uuid4().hex[:12]}"
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._lost: BaseException | None = None  # why the output stream last failed (the worker was lost)
 
     # ---- decode (and colocated) workers ---------------------------------------------------
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
@@ -93,6 +94,11 @@ class WorkerHandle:
     async def load(self) -> WorkerLoad:
         return await self.remote.call("load")
 
+    def take_lost(self) -> BaseException | None:
+        """Why the worker's output stream failed since the last call (its process was lost), or None."""
+        lost, self._lost = self._lost, None
+        return lost
+
     async def _open(self, request_id: str, method: str, *args: Any) -> Any:
         """Call `method(*args)` on the worker, opening `request_id`'s outputs on this handle."""
         self._queues[request_id] = asyncio.Queue()
@@ -115,6 +121,7 @@ class WorkerHandle:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self._lost = exc
             for q in list(self._queues.values()):
                 q.put_nowait(exc)
 

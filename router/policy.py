@@ -29,6 +29,11 @@ class WorkerView:
     load: WorkerLoad | None = None    # the worker's latest report, refreshed in the background
     healthy: bool = True
     error: str = ""
+    state: str = "starting"           # starting, serving, replacing (lost, being restarted), dead
+    pid: int = 0
+    node: str = ""
+    restarts: int = 0
+    last_error: str = ""              # why it was last lost or out of placement
     inflight: int = 0                 # requests placed here by this router, not finished
     inflight_tokens: int = 0          # prompt tokens of those (prefill: not yet sampled)
     placed: int = 0

@@ -14,11 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdcluster.v1 import inference_pb2 as pb
+from router.dispatch import WARM_UP_PROMPT
 from router.service import InferenceService
 from router.wire import safe_deserializer
 
 log = logging.getLogger(__name__)
-WARM_UP_PROMPT = [1, 2, 3, 4]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
@@ -58,7 +58,6 @@ class RouterServer:
             raise RuntimeError(f"could not bind the router to {self.host}:{self.requested_port}")
         await self.service.dispatcher.refresh_loads()
         if self.warm_up:  # every prefill/decode pair has shaken hands before SERVING
-            # A prompt shorter than a page: it leaves nothing in any prefix cache.
             await self.service.dispatcher.warm_up(WARM_UP_PROMPT)
             await self.service.dispatcher.refresh_loads()
         await server.start()

@@ -180,7 +180,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 free_pages=ld.free_pages, total_pages=ld.total_pages, running_requests=ld.running_requests,
                 waiting_requests=ld.waiting_requests, queued_tokens=ld.queued_tokens,
                 transferring_requests=ld.transferring_requests, tokens_per_s=ld.tokens_per_s,
-                prefix_cache_hit_rate=ld.prefix_cache_hit_rate, requests_placed=v.placed))
+                prefix_cache_hit_rate=ld.prefix_cache_hit_rate, requests_placed=v.placed, pid=v.pid, node=v.node,
+                state=v.state, restarts=v.restarts, last_error=v.last_error))
         return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name,
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,

@@ -1,9 +1,15 @@
-"""A decode worker lost mid-stream, on a real local Ray: the client's open stream ends with
-UNAVAILABLE naming the worker (not a hang, not an UNKNOWN error), the router keeps answering,
-and the prefill worker's pages all come back. A worker's outputs reach the router on one
-batched Ray stream per router (`router.handles.WorkerHandle`), so the loss has to reach every
-request open on it."""
+"""A decode worker's process killed mid-stream (kill -9), on a real local Ray: the client's open
+streams end with UNAVAILABLE naming the worker (not a hang, not an UNKNOWN error), the router
+keeps answering and says why, the prefill worker's pages all come back, and Ray restarts the
+worker in its placement group bundle: the router warms the new process up (its KV transfer
+handshake done) and places on it again, without a restart of the cluster, and it serves the
+same greedy tokens as before. A worker's outputs reach the router on one batched Ray stream per
+router (`router.handles.WorkerHandle`), so the loss has to reach every request open on it."""
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import grpc
 import pytest
@@ -11,14 +17,14 @@ import pytest
 from cluster.config import ClusterConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
-from tests.helpers import wait_until
+from tests.helpers import collect, wait_until
 
 S = pb.SamplingParams
 # long enough that a stream is still open seconds after its first chunk
 ENGINE = dict(num_pages=512, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, page_size=16)
 
 
-def test_decode_worker_lost_mid_stream_ends_open_streams_with_unavailable(tiny_model):
+def test_a_killed_decode_worker_ends_its_streams_cleanly_and_is_replaced(tiny_model):
     from cluster.runtime import Cluster
 
     tiny_model("llama")
@@ -26,17 +32,22 @@ def test_decode_worker_lost_mid_stream_ends_open_streams_with_unavailable(tiny_m
                                              transport="nixl"))
     cluster.start()
     try:
+        import ray  # only after Cluster.start: ray's first import decides whether it binds loopback only
+
         s = pb_grpc.InferenceStub(grpc.insecure_channel(cluster.router_address))
+        short = pb.GenerateRequest(prompt_token_ids=list(range(5, 25)), sampling=S(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True))
+        before, _, _ = collect(s, short)
         req = pb.GenerateRequest(prompt_token_ids=list(range(1, 40)),
                                  sampling=S(max_tokens=950, temperature=0, ignore_eos=True))
         calls = [s.Generate(req, timeout=120) for _ in range(3)]
         for call in calls:
             next(call)
             next(call)  # the second chunk comes from the decode worker: its stream is open
-        import ray  # only after Cluster.start: ray's first import decides whether it binds loopback only
-
         decode = next(w for w in cluster.workers if w.role == "decode")
-        ray.kill(decode.actor)
+        pid = ray.get(decode.actor.pid.remote(), timeout=30)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
         for call in calls:  # each would otherwise run to its 120 s deadline: the calls' timeout is the hang guard
             with pytest.raises(grpc.RpcError) as err:
                 for _ in call:
@@ -44,12 +55,37 @@ def test_decode_worker_lost_mid_stream_ends_open_streams_with_unavailable(tiny_m
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert decode.worker_id in err.value.details()
 
-        def prefill_pages_back():
-            st = s.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
-            prefill = [w for w in st.workers if w.role == "prefill"]
-            return prefill and all(w.free_pages == w.total_pages for w in prefill)
+        def worker(st, wid):
+            return next(w for w in st.workers if w.worker_id == wid)
 
-        # the router still answers, and the surviving prefill worker holds no pages
-        wait_until(prefill_pages_back, 20, 0.1, "the prefill worker's pages all back")
+        def replaced():
+            st = s.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+            w = worker(st, decode.worker_id)
+            return st if w.state == "serving" and w.healthy and w.restarts == 1 and w.pid not in (0, pid) else None
+
+        st = wait_until(replaced, 60, 0.1, f"{decode.worker_id} replaced and back in placement")
+        recovery_s = time.monotonic() - killed
+        print(f"\n{decode.worker_id}: killed -> serving again in {recovery_s:.1f} s")
+        w = worker(st, decode.worker_id)
+        assert w.node == "127.0.0.1" and w.last_error and "\n" not in w.last_error, w  # why it was out, one line
+        prefill = worker(st, "prefill-0")
+        assert prefill.free_pages == prefill.total_pages and prefill.restarts == 0, prefill
+        after, _, last = collect(s, short)
+        assert after == before and last.placement.decode_worker == decode.worker_id
+
+        # the prefill worker too: replaced, its KV handshakes with the decode worker done again
+        prefill_actor = next(w.actor for w in cluster.workers if w.role == "prefill")
+        prefill_pid = ray.get(prefill_actor.pid.remote(), timeout=30)
+        os.kill(prefill_pid, signal.SIGKILL)
+
+        def prefill_replaced():
+            w = worker(s.ClusterStatus(pb.ClusterStatusRequest(), timeout=10), "prefill-0")
+            return w.state == "serving" and w.healthy and w.restarts == 1 and w.pid not in (0, prefill_pid)
+
+        wait_until(prefill_replaced, 60, 0.1, "prefill-0 replaced and back in placement")
+        again, _, last = collect(s, short)
+        assert again == before and last.placement.prefill_worker == "prefill-0"
+        st = s.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+        assert all(w.free_pages == w.total_pages for w in st.workers), st
     finally:
         cluster.stop()

@@ -43,6 +43,9 @@ class FlakyPrefill:
     async def close(self):
         pass
 
+    def take_lost(self):
+        return None
+
 
 @pytest.fixture(scope="module")
 def router(tiny_model):
