@@ -102,7 +102,8 @@ class RouterActor:
         self.server = build_router(cfg.model, prefills, decodes, host=r.host, port=r.port, policy=r.policy,
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
-                                   max_prefill_attempts=r.max_prefill_attempts, warm_up=True)
+                                   max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
+                                   migration_wait_s=r.migration_wait_s, warm_up=True)
         self.server.metrics_port = r.metrics_port
         address = await self.server.start()
         freeze_startup_heap()

@@ -133,6 +133,14 @@ class RouterSettings(_Strict):
                                                   "request is refused with RESOURCE_EXHAUSTED; 0: no waiting")
     max_prefill_attempts: int = Field(2, ge=1, le=8, description="prefill tries per request, each on a different "
                                                                  "prefill worker, before it fails with UNAVAILABLE")
+    migration_limit: int = Field(2, ge=0, le=16, description="decode workers a request may lose and still go on: its "
+                                                             "stream continues on another decode worker with no lost "
+                                                             "or repeated token; one more loss ends it with "
+                                                             "UNAVAILABLE; 0: no migration")
+    migration_wait_s: float = Field(60.0, gt=0, description="how long a migrating stream waits for a decode worker to "
+                                                            "continue on (the replacement of the lost one, when it "
+                                                            "was the only one); the client's deadline may end it "
+                                                            "sooner")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for the router actor")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics port on the router host; 0 picks a free one, "

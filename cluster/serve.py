@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     parser.add_argument("--policy", choices=("round-robin", "least-loaded", "prefix-aware"))
     parser.add_argument("--address", help="Ray address to join (default: start a local cluster on 127.0.0.1)")
+    parser.add_argument("--migration-limit", type=int,
+                        help="decode workers a request may lose and still continue on another (default 2; 0: off)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get to finish on stop")
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="Prometheus /metrics port on the router host (default 9464; 0 picks a free one; -1 off)")
@@ -38,7 +40,8 @@ def load_config(args: argparse.Namespace):
     updates: dict = {}
     if args.model:
         updates["model"] = args.model
-    router = {k: v for k, v in (("host", args.host), ("port", args.port), ("policy", args.policy)) if v is not None}
+    router = {k: v for k, v in (("host", args.host), ("port", args.port), ("policy", args.policy),
+                                ("migration_limit", getattr(args, "migration_limit", None))) if v is not None}
     metrics_port = getattr(args, "metrics_port", None)
     if metrics_port is not None:
         router["metrics_port"] = None if metrics_port < 0 else metrics_port

@@ -18,8 +18,8 @@ What is this worker's own, the engine does not know:
 - the transfer-failure policy (`on_transfer_failure`), which the engine asks when a request's
   KV fails.
 Everything else is the engine's: WAITING_FOR_KV is its WAITING_FOR_REMOTE_KV state; on arrival
-the request joins the batch with the first token sampled by the prefill side (the seeded
-generator skips that draw, so seeded output matches a colocated run); preemption recomputes.
+the request joins the batch with the first token sampled by the prefill side (a draw depends
+only on seed and position, so seeded output matches a colocated run); preemption recomputes.
 
 Threading: single-threaded; call every method from one thread (engine/loop.py runs it).
 """
@@ -33,7 +33,7 @@ from decode_worker.types import (Admission, DecodeConfig, DecodeOutput, DecodeSt
                                  TransferFailurePolicy)
 from engine.core import EngineCore, resolve_model
 from engine.load import WorkerLoad
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, Resume
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
@@ -66,15 +66,19 @@ class DecodeWorker:
         return self._stages.get(request_id)
 
     # ---- admission ------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+              resume: Resume | None = None) -> Admission:
         """Take a new request: pages + descriptor, a place in the page queue, or a local prefill.
-        Raises ValueError (nothing kept) for an invalid request."""
+        With `resume`, the request continues a stream whose decode worker was lost: its KV (prompt
+        and the tokens generated so far) is prefilled here or by the prefill side like a new
+        prompt's, and it goes on sampling where that worker stopped. Raises ValueError (nothing
+        kept) for an invalid request."""
         if request_id in self._stages:
             raise ValueError(f"request_id {request_id!r} is already on this decode worker")
-        req = self.core.make_request(prompt_token_ids, params, request_id)
+        req = self.core.make_request(prompt_token_ids, params, request_id, resume=resume)
         threshold = self.config.local_prefill_threshold
-        if self.connector is None or (
-                threshold and req.num_prompt_tokens - self.core.cached_prefix_tokens(req) < threshold):
+        if self.connector is None or req.status.finished or (
+                threshold and req.num_tokens - self.core.cached_prefix_tokens(req) < threshold):
             self.core.add(req)
             self.num_local_prefills += 1
             self._stages[request_id] = DecodeStage.LOCAL_PREFILL
@@ -88,7 +92,7 @@ class DecodeWorker:
         return Admission(request_id, DecodeStage.QUEUED_FOR_PAGES)
 
     def _fits(self, req: Request) -> bool:
-        return self.core.num_free_pages - self.core.pages_for(req.num_prompt_tokens) >= self.config.reserve_pages
+        return self.core.num_free_pages - self.core.pages_for(req.num_tokens) >= self.config.reserve_pages
 
     def _receive(self, req: Request) -> Admission | None:
         """Pages for the prompt and the descriptor to receive into, or None (pages short)."""

@@ -31,9 +31,9 @@ from engine.kv_cache_manager import KVCacheManager, pages_for
 from engine.kv_connector import KVConnector, KVEventKind
 from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, Resume
 from engine.request import Request
-from engine.sampler import make_generator
+from engine.sampler import request_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -150,9 +150,11 @@ class EngineCore:
         return ids
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                     kv_destinations: Sequence = ()) -> Request:
+                     kv_destinations: Sequence = (), resume: Resume | None = None) -> Request:
         """A validated request, not queued yet (`add` or `add_remote` queues it). With
-        `kv_destinations`, the prompt's KV goes there once computed (the connector's kind)."""
+        `kv_destinations`, the prompt's KV goes there once computed (the connector's kind). With
+        `resume`, it continues a stream another worker started (engine.request.Resume); check
+        `status.finished` before queueing it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt)
@@ -180,9 +182,17 @@ class EngineCore:
         req = Request(
             request_id=rid, prompt_token_ids=ids, params=params, max_total_tokens=max_total,
             eos_token_ids=self.eos_token_ids,
-            generator=None if params.greedy else make_generator(params.seed, self.device),
+            seed=request_seed(params.seed),
             detokenizer=detok, kv_destinations=tuple(kv_destinations),
         )
+        if resume is not None:
+            if kv_destinations:
+                raise ValueError("a resumed request decodes here: it takes no kv_destinations")
+            for t in resume.output_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size:
+                    raise ValueError(f"Resume.output_token_ids must be integers in [0, {self.config.vocab_size}), "
+                                     f"got {t!r}")
+            req.resume(resume)
         if req.kv_destinations:
             if self.connector is None:
                 raise ValueError("kv_destinations need an engine with a KV connector; this one has none")
@@ -190,8 +200,12 @@ class EngineCore:
         return req
 
     def add(self, req: Request) -> None:
-        """Queue a request from `make_request` to be computed here."""
+        """Queue a request from `make_request` to be computed here. One that is finished already
+        (a resumed request whose replay ended it) only reports its final output, at the next step."""
         self._check_new(req.request_id)
+        if req.status.finished:
+            self._ended.append(req)
+            return
         self._requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -202,7 +216,7 @@ class EngineCore:
         if self.connector is None:
             raise ValueError("a request whose KV comes from elsewhere needs an engine with a KV connector")
         self._check_new(req.request_id)
-        if not self.kv.allocate(req, req.num_prompt_tokens):
+        if not self.kv.allocate(req, req.num_tokens):  # the prompt, and a resumed request's output
             return None
         try:
             where = self.connector.prepare_receive(req)

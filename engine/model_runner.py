@@ -97,5 +97,6 @@ class ModelRunner:
         if not t.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[t.sample_rows])
-        out = self.sampler(logits, [r.params for r in t.sample_requests], [r.generator for r in t.sample_requests])
+        reqs = t.sample_requests
+        out = self.sampler(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
         return {req: (tok, lp) for req, tok, lp in zip(t.sample_requests, out.token_ids, out.logprobs)}

@@ -1,5 +1,6 @@
-"""What the engine hands back for a request: the whole result, plus the delta since the last
-step for streaming. No torch here: these cross into the router's process."""
+"""What crosses the engine's boundary for a request: the result it hands back (the whole of it,
+plus the delta since the last step for streaming), and where a resumed request continues. No
+torch here: these cross into the router's process."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,3 +41,17 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # why, when finish_reason is "error"
+
+
+@dataclass(slots=True, frozen=True)
+class Resume:
+    """Where a stream continues (another worker generated its first tokens, then was lost): the
+    output token ids the client already has, and how many characters of their text it has."""
+    output_token_ids: tuple[int, ...]
+    text_chars_sent: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.output_token_ids:
+            raise ValueError("Resume.output_token_ids must hold at least one token")
+        if self.text_chars_sent < 0:
+            raise ValueError(f"Resume.text_chars_sent must be >= 0, got {self.text_chars_sent}")

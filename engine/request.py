@@ -16,6 +16,10 @@ WAITING_FOR_REMOTE_KV: the request's pages are allocated and a KV connector fill
 another worker; the scheduler never schedules it until the connector reports the KV complete
 (the request then joins the batch with the first token sampled elsewhere) or failed.
 
+A resumed request (`Request.resume`: its stream continues here after the worker that generated
+its first tokens was lost) starts WAITING (or WAITING_FOR_REMOTE_KV) with those tokens already
+in `all_token_ids`, exactly like a preempted request.
+
 A request computes `all_token_ids` (prompt + generated) into KV, `num_computed_tokens` at a
 time. It samples whenever its computed tokens reach the end of `all_token_ids`, which covers
 the last prefill chunk, every decode step, and the recompute after a preemption (which
@@ -26,13 +30,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput, Resume
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,7 +64,7 @@ class Request:
     params: SamplingParams
     max_total_tokens: int  # prompt + max_tokens, capped by the model's context
     eos_token_ids: tuple[int, ...] = ()
-    generator: torch.Generator | None = None
+    seed: int = 0  # the key of its draws (engine.sampler.request_seed): token i is drawn from (seed, i)
     detokenizer: object | None = None  # engine.detokenizer.IncrementalDetokenizer, or None for ids only
     # Where the prompt's KV goes once computed (the KV connector's destinations, opaque to the
     # engine); empty for a request whose KV stays here.
@@ -125,6 +124,21 @@ class Request:
             self._finish(RequestStatus.FINISHED_STOPPED, token_id)
         elif len(tokens) - self.num_prompt_tokens >= p.max_tokens or len(tokens) >= self.max_total_tokens:
             self._finish(RequestStatus.FINISHED_LENGTH, None)
+
+    def resume(self, resume: Resume) -> None:
+        """Take the tokens another worker generated (before any step here): they are replayed
+        through the stop checks and the detokenizer, which so reaches the state that worker's
+        had, and are never reported again; the text the client lacks is reported with the next
+        output. A request whose replay already finishes it (its last token was the end) ends
+        here, with no new token."""
+        for token_id in resume.output_token_ids:
+            if self.status.finished:
+                raise ValueError(f"Resume.output_token_ids go past the end of the request "
+                                 f"({len(resume.output_token_ids)} tokens, max_tokens={self.params.max_tokens})")
+            self.append_token(token_id, None)
+        self._emitted_tokens = self.num_output_tokens
+        self._pending_text = self._pending_text[resume.text_chars_sent:]
+        self.metrics.first_token_time = None  # the first token sampled here is this worker's first
 
     def abort(self) -> None:
         self._finish(RequestStatus.FINISHED_ABORTED, None)

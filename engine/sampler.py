@@ -1,13 +1,17 @@
 """Batched token sampler: one decode step's logits [B, V] in, one token (and logprobs) per row out.
 
-Owns greedy/temperature/top-k/top-p/min-p sampling, per-request seeded generators and raw
-logprobs. Must not know about requests, the scheduler or the KV cache.
+Owns greedy/temperature/top-k/top-p/min-p sampling, the per-draw uniforms and raw logprobs.
+Must not know about requests, the scheduler or the KV cache.
 
-Reproducibility contract: a row's token depends only on its own logits, its own params and
-its own generator, never on which other rows share the batch. So every filter is expressed
-as a per-row *threshold* (top-k on logits, top-p and min-p on probabilities; ties at the
-cut are all kept, whatever order a sort put them in), the draw walks the kept tokens in
-vocabulary order, and each row consumes exactly one uniform from its own generator per step.
+Reproducibility contract: a row's token depends only on its own logits, its own params, its
+seed and the position of the token it samples, never on which other rows share the batch,
+nor on where the earlier tokens were sampled. So every filter is expressed as a per-row
+*threshold* (top-k on logits, top-p and min-p on probabilities; ties at the cut are all
+kept, whatever order a sort put them in), the draw walks the kept tokens in vocabulary
+order, and its uniform is `draw_uniform(seed, position)`: a counter-based generator, with no
+state to carry. A prefill worker that samples a request's first token and the decode worker
+that samples the rest, or a stream that moves to another decode worker half-way, therefore
+draw exactly the uniforms one uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -32,19 +36,30 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's private generator. Unseeded requests get fresh OS entropy so they differ."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
-    return g
+_MASK64 = (1 << 64) - 1
 
 
-def skip_draw(generator: torch.Generator | None) -> None:
-    """Advance a request's generator past one token sampled elsewhere with the same seed (the
-    prefill side samples a disaggregated request's first token): each sampled token consumes
-    exactly one uniform (module docstring), so the next draw here matches a colocated run."""
-    if generator is not None:
-        torch.rand(1, device=generator.device, generator=generator)
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that avalanches every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def request_seed(seed: int | None) -> int:
+    """The 64-bit key of a request's draws: its seed (any value SamplingParams admits), or
+    fresh OS entropy for an unseeded request, so two unseeded requests differ."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little")
+    return seed & _MASK64
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that samples the token at `position` (its index in prompt + output)
+    of a request keyed `seed`: a pure function (two splitmix64 rounds over seed and position),
+    53 random bits."""
+    h = _mix64((_mix64(seed & _MASK64) + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64)
+    return (h >> 11) * (1.0 / (1 << 53))
 
 
 class Sampler:
@@ -54,13 +69,15 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        seeds: list[int],
+        positions: list[int],
     ) -> SamplerOutput:
+        """`seeds[i]` (engine.sampler.request_seed) and `positions[i]` (the index the sampled
+        token takes in row i's prompt + output) key row i's draw; greedy rows ignore them."""
         batch = logits.shape[0]
-        if len(params) != batch or len(generators) != batch:
-            raise ValueError(
-                f"sampler got {batch} logit rows, {len(params)} params, {len(generators)} generators"
-            )
+        if not len(params) == len(seeds) == len(positions) == batch:
+            raise ValueError(f"sampler got {batch} logit rows, {len(params)} params, {len(seeds)} seeds, "
+                             f"{len(positions)} positions")
         want_logprobs = False
         all_greedy = True
         for p in params:
@@ -75,7 +92,7 @@ class Sampler:
         logits = logits.float()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == batch:
-            token_ids = _sample_rows(logits, params, generators)
+            token_ids = _sample_rows(logits, params, [draw_uniform(seeds[i], positions[i]) for i in range(batch)])
         else:
             token_ids = logits.argmax(dim=-1)
             if random_rows:
@@ -83,7 +100,7 @@ class Sampler:
                 sampled = _sample_rows(
                     logits.index_select(0, rows),
                     [params[i] for i in random_rows],
-                    [generators[i] for i in random_rows],
+                    [draw_uniform(seeds[i], positions[i]) for i in random_rows],
                 )
                 token_ids = token_ids.index_copy(0, rows, sampled)
         ids = token_ids.tolist()
@@ -93,9 +110,7 @@ class Sampler:
         return SamplerOutput(ids, lps)
 
 
-def _sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
     """Sample one token per row of float32 `logits` [R, V]; every row is non-greedy."""
     rows, vocab = logits.shape
     dev = logits.device
@@ -144,10 +159,10 @@ def _sample_rows(
         probs = probs.masked_fill(probs < thr.unsqueeze(1), 0.0)
 
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.cat([torch.rand(1, device=dev, generator=g) for g in generators])
+    u = torch.tensor(uniforms, dtype=torch.float64, device=dev)
     # right=True: a dropped token has zero mass, so its cdf equals its predecessor's and it
     # can never be the first entry strictly above the target.
-    target = (u * cdf[:, -1]).unsqueeze(1)
+    target = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     overflow = picked >= vocab
     if overflow.any():

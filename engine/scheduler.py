@@ -11,7 +11,8 @@ takes its longest cached prefix from the prefix cache.
 When a running request needs a page and none is free, the most recently arrived running
 request is preempted: its pages go back to the pool (full ones stay findable in the prefix
 cache) and it returns to the front of the waiting queue, to be recomputed from all its tokens
-later. Nothing it generated is lost, and a seeded request keeps its generator state.
+later. Nothing it generated is lost, and a seeded request draws the same tokens (its draws
+are keyed by token position, engine.sampler).
 
 The request states this module moves (engine/request.py draws them all):
   waiting      WAITING / PREEMPTED, no pages (or a cached prefix being taken)
@@ -228,13 +229,9 @@ class Scheduler:
     def _join_ready(self, batch: ScheduledBatch) -> None:
         while self.ready and len(self.running) < self.max_num_seqs:
             req, first_token = self.ready.popleft()
-            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_computed_tokens = req.num_tokens  # all it holds: the prompt (and a resumed request's output)
             req.num_cached_tokens = 0
             req.metrics.first_scheduled_time = time.monotonic()
-            if req.generator is not None:
-                from engine.sampler import skip_draw  # torch: only a seeded request needs it
-
-                skip_draw(req.generator)  # the one uniform the sampling side drew for this token
             req.append_token(first_token)
             batch.joined.append(req)
             if req.status.finished:

@@ -106,7 +106,8 @@ class TransferConnector(KVConnector):
         with self._lock:
             self._receiving[rid] = req
         try:
-            return self.receiver.expect(rid, list(req.pages), req.num_prompt_tokens)
+            # the prompt's KV, and a resumed request's output tokens' too (all it holds before its first step)
+            return self.receiver.expect(rid, list(req.pages), req.num_tokens)
         except BaseException:
             with self._lock:
                 self._receiving.pop(rid, None)
@@ -170,9 +171,9 @@ class TransferConnector(KVConnector):
                     continue  # it ended meanwhile (request_finished took or cancelled it)
                 del self._receiving[rid]
             status = self.receiver.take(rid)
-            if status.prompt_len != req.num_prompt_tokens or status.first_token is None:
+            if status.prompt_len != req.num_tokens or status.first_token is None:
                 events.append(KVEvent(KVEventKind.FAILED, req, error=f"final notice says prompt_len="
-                                      f"{status.prompt_len}, expected {req.num_prompt_tokens}"))
+                                      f"{status.prompt_len}, expected {req.num_tokens}"))
             else:
                 events.append(KVEvent(KVEventKind.RECEIVED, req, first_token=status.first_token))
 

@@ -22,11 +22,25 @@ request retried on another one, under a new worker-side id (`RID~N`) and fresh d
 the failed attempt is cancelled on both sides first. Whatever ends the stream early (client
 cancel, deadline, router shutdown) cancels the request on both workers, so their pages come
 back.
+
+Migration: a decode worker lost while it holds a request (its process, actor or engine loop
+gone: at admission, while its KV arrives, or mid-stream) does not end the stream. The request
+is placed again, as `RID@N`, with an `engine.outputs.Resume` carrying the tokens the client
+already has: the new decode worker's KV for the prompt plus those tokens is prefilled by the
+prefill pool or locally, as placement decides, and it samples on from there. Draws depend only
+on (seed, position) (engine.sampler), and the router fixes a seed for every sampled request
+that has none, so the continuation draws exactly the tokens an uninterrupted run would; the
+resumed worker replays the tokens through its detokenizer and stop checks, so text and stop
+strings continue seamlessly too. With no decode worker left, the stream waits for a
+replacement (its client's deadline, or `migration_wait_s`). Past `migration_limit` losses the
+request ends with UNAVAILABLE naming the workers it lost.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +48,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.types import Admission, DecodeStage
+from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
@@ -67,13 +82,15 @@ class RequestStats:
     decode_worker: str = ""
     local_prefill: bool = False
     attempts: int = 0
+    migrations: int = 0  # decode workers lost under the request, whose stream continued elsewhere
     kv_bytes: int = 0  # KV moved prefill -> decode: destination pages x bytes per page, all layers
 
 
 @dataclass(slots=True)
 class _Live:
-    """What must be cancelled if the request ends early."""
+    """What must be cancelled if the request ends early (one placement of it)."""
     decode: WorkerHandle | None = None
+    decode_losses: int = 0  # the decode handle's `losses` when the request was admitted
     prefill: WorkerHandle | None = None
     worker_rid: str = ""
     done: bool = False
@@ -89,9 +106,18 @@ class _Live:
             self.local_tokens = None
 
 
+class _DecodeLost(Exception):
+    """The decode worker holding a request was lost: the stream may continue on another."""
+
+    def __init__(self, worker_id: str, cause: str) -> None:
+        super().__init__(f"decode worker {worker_id} lost: {cause}")
+        self.worker_id, self.cause = worker_id, cause
+
+
 class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
-                 *, max_prefill_attempts: int = 2, unresponsive_after_s: float = 30.0) -> None:
+                 *, max_prefill_attempts: int = 2, unresponsive_after_s: float = 30.0, migration_limit: int = 2,
+                 migration_wait_s: float = 60.0) -> None:
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -103,6 +129,12 @@ class Dispatcher:
         if not unresponsive_after_s > 0:
             raise ValueError(f"unresponsive_after_s must be > 0, got {unresponsive_after_s}")
         self.unresponsive_after_s = unresponsive_after_s
+        if not 0 <= migration_limit <= 16:
+            raise ValueError(f"migration_limit must be in [0, 16], got {migration_limit}")
+        if not migration_wait_s > 0:
+            raise ValueError(f"migration_wait_s must be > 0, got {migration_wait_s}")
+        self.migration_limit, self.migration_wait_s = migration_limit, migration_wait_s
+        self._back = asyncio.Event()  # set (and replaced) whenever a worker enters placement
         self._cleanup: set[asyncio.Task] = set()
         self._started = time.monotonic()
         self._load_calls: dict[str, asyncio.Task] = {}  # at most one pending load() per worker
@@ -162,7 +194,14 @@ class Dispatcher:
                 self._warming[wid] = task
                 task.add_done_callback(lambda t, wid=wid: self._warming.pop(wid, None))
             return
+        if not view.healthy:
+            self._serving(view)
+        view.error = ""
+
+    def _serving(self, view: WorkerView) -> None:
         view.healthy, view.error, view.state = True, "", "serving"
+        self._back.set()  # wake the streams waiting for a worker to migrate to
+        self._back = asyncio.Event()
 
     async def _rejoin(self, wid: str) -> None:
         view = self.views[wid]
@@ -172,7 +211,7 @@ class Dispatcher:
             view.error = f"warm-up after a restart failed: {_first_line(exc)}"[:300]
             await asyncio.sleep(1.0)  # the next load refresh tries again, not at once
             return
-        view.healthy, view.error, view.state = True, "", "serving"
+        self._serving(view)
         log.warning("worker %s is back in placement (restart %d)", wid, view.restarts)
 
     def _candidates(self, ids, exclude=()) -> list[WorkerView]:
@@ -197,10 +236,61 @@ class Dispatcher:
 
     # ---- one request ----------------------------------------------------------------------
     async def generate(self, req: PreparedRequest, stats: RequestStats) -> AsyncIterator[Chunk]:
+        """The request's chunks, from wherever it runs; it moves to another decode worker when
+        its own is lost (the module docstring)."""
         stats.prompt_tokens = len(req.prompt_token_ids)
+        if req.params.seed is None and not req.params.greedy:
+            # a continuation elsewhere draws the tokens this run would only under the same key
+            req.params = dataclasses.replace(req.params, seed=secrets.randbits(63))
+        sent_ids: list[int] = []
+        sent_chars = 0
+        lost: list[str] = []
+        resume: Resume | None = None
+        while True:
+            try:
+                async for chunk in self._attempt(req, stats, resume, len(lost)):
+                    sent_ids += chunk.token_ids
+                    sent_chars += len(chunk.text)
+                    yield chunk
+                return
+            except _DecodeLost as exc:
+                lost.append(exc.worker_id)
+                view = self.views[exc.worker_id]
+                if view.healthy:  # out of placement until it answers again (replaced, warmed up)
+                    self._out(view, "replacing", f"lost under request {req.request_id}: {exc.cause}")
+                if len(lost) > self.migration_limit:
+                    raise RequestError(f"the request lost decode workers {lost}, more than migration_limit="
+                                       f"{self.migration_limit}: {exc.cause}", grpc.StatusCode.UNAVAILABLE) from exc
+                stats.migrations = len(lost)
+                log.warning("%s: migrating after %d tokens: %s", req.request_id, len(sent_ids), exc)
+                resume = Resume(tuple(sent_ids), sent_chars) if sent_ids else None
+                await self._wait_for_decode(req, lost)
+
+    async def _wait_for_decode(self, req: PreparedRequest, lost: list[str]) -> None:
+        """Until a decode worker can take the migrating request (a replacement, when the lost one
+        was the only one), for migration_wait_s at most; the client's deadline may end it first."""
+        deadline = time.monotonic() + self.migration_wait_s
+        while True:
+            back = self._back
+            try:
+                self._decode_candidates(req)
+                return
+            except RequestError as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RequestError(f"{exc} to continue on within migration_wait_s={self.migration_wait_s:g} "
+                                       f"(lost: {lost})", grpc.StatusCode.UNAVAILABLE) from exc
+            try:
+                await asyncio.wait_for(back.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _attempt(self, req: PreparedRequest, stats: RequestStats, resume: Resume | None,
+                       migration: int) -> AsyncIterator[Chunk]:
+        """One placement of the request: its chunks until it finishes, or _DecodeLost."""
         live = _Live()
         try:
-            await self._place(req, stats, live)
+            await self._place(req, stats, live, resume, migration)
             ahead = 0  # ids sent before the decode stream reported them
             if live.first_token is not None:
                 ahead = 1
@@ -213,8 +303,9 @@ class Dispatcher:
                         stats.first_output = time.monotonic()
                         if stats.local_prefill:  # sampled where it decodes: prefill ends here, no transfer
                             live.end_local_prefill()
-                            stats.first_token = stats.first_output
-                            stats.cached_prompt_tokens = out.num_cached_tokens
+                            if not stats.first_token:
+                                stats.first_token = stats.first_output
+                                stats.cached_prompt_tokens = out.num_cached_tokens
                     # The decode side's copy of the first token (source PREFILL_WORKER, or the
                     # re-sampled one after a REPREFILL) was already sent: keep only its text.
                     drop = min(ahead, len(ids))
@@ -240,22 +331,26 @@ class Dispatcher:
 
     @staticmethod
     async def _decode_stream(live: _Live) -> AsyncIterator:
-        """The decode worker's outputs; a worker lost mid-stream (its process or actor gone)
-        ends the request with UNAVAILABLE naming the worker, not an unexpected error."""
+        """The decode worker's outputs; a worker lost mid-stream (its process, actor or engine
+        loop gone) raises _DecodeLost, which migrates the request."""
         try:
             async for out in live.decode.stream(live.worker_rid):
                 yield out
         except RequestError:
             raise
         except Exception as exc:  # CancelledError is not an Exception: it passes through
-            raise RequestError(f"decode worker {live.decode.worker_id} failed mid-stream: "
-                               f"{type(exc).__name__}: {str(exc)[:300]}", grpc.StatusCode.UNAVAILABLE) from exc
+            raise _DecodeLost(live.decode.worker_id, f"mid-stream: {type(exc).__name__}: {_first_line(exc)[:300]}") from exc
 
-    async def _place(self, req: PreparedRequest, stats: RequestStats, live: _Live) -> None:
+    async def _place(self, req: PreparedRequest, stats: RequestStats, live: _Live, resume: Resume | None = None,
+                     migration: int = 0) -> None:
         tried: set[str] = set()
+        base = req.request_id if not migration else f"{req.request_id}@{migration}"
+        prompt = req.prompt_token_ids if resume is None else req.prompt_token_ids + list(resume.output_token_ids)
+        retry = 0
         while True:
             stats.attempts += 1
-            rid = req.request_id if stats.attempts == 1 else f"{req.request_id}~{stats.attempts - 1}"
+            rid = base if not retry else f"{base}~{retry}"
+            retry += 1
             dview = self.policy.place(self._decode_candidates(req), req.block_hashes)
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
@@ -265,27 +360,33 @@ class Dispatcher:
             dview.inflight += 1
             dview.placed += 1
             live.views.append(dview)
+            live.decode_losses = decode.losses
             try:
-                adm = await decode.admit(rid, req.prompt_token_ids, req.params)
+                adm = await decode.admit(rid, req.prompt_token_ids, req.params, resume)
+                if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
+                    adm = await _admitted(decode, rid)
             except ValueError as exc:  # the worker's own limits (pages, lengths)
                 live.done = True
                 raise RequestError(f"decode worker {dview.worker_id} refused the request: {exc}") from exc
+            except RequestError:
+                raise
+            except Exception as exc:  # its process, actor or engine loop is gone
+                raise _DecodeLost(dview.worker_id, f"at admission: {type(exc).__name__}: {_first_line(exc)[:300]}") from exc
             stats.decode_worker = dview.worker_id
-            if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
-                adm = await _admitted(decode, rid)
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
                 if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
-                    dview.inflight_tokens += len(req.prompt_token_ids)
-                    live.local_tokens = (dview, len(req.prompt_token_ids))
+                    dview.inflight_tokens += len(prompt)
+                    live.local_tokens = (dview, len(prompt))
                     dview.remember(req.block_hashes, _capacity(dview))
-                stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
+                if not stats.prefill_start:
+                    stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
+            stats.local_prefill = False
             stats.kv_bytes = adm.kv_bytes
             prefills = self._candidates(self.prefills, exclude=tried)
             if not prefills:
-                raise RequestError("no healthy prefill worker" + (" left to retry on" if tried else ""),
-                                   grpc.StatusCode.UNAVAILABLE)
+                raise RequestError("no healthy prefill worker", grpc.StatusCode.UNAVAILABLE)
             pview = self.policy.pick_prefill(prefills, req.block_hashes)
             tried.add(pview.worker_id)
             prefill = self.prefills[pview.worker_id]
@@ -293,34 +394,40 @@ class Dispatcher:
             stats.prefill_worker = pview.worker_id
             pview.placed += 1
             pview.inflight += 1
-            pview.inflight_tokens += len(req.prompt_token_ids)
-            stats.prefill_start = time.monotonic()
+            pview.inflight_tokens += len(prompt)
+            if not stats.prefill_start:
+                stats.prefill_start = time.monotonic()
             try:
-                result = await prefill.submit(PrefillTask(rid, req.prompt_token_ids, req.params, [adm.descriptor]))
+                result = await prefill.submit(PrefillTask(rid, prompt, _remaining(req.params, resume), [adm.descriptor]))
             except ValueError as exc:
                 raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
             except Exception as exc:  # the worker died or its actor is gone: retryable
-                result = PrefillResult(rid, None, len(req.prompt_token_ids), ok=False,
-                                       error=f"{type(exc).__name__}: {exc}")
-                pview.healthy, pview.error = False, result.error[:300]
+                result = PrefillResult(rid, None, len(prompt), ok=False,
+                                       error=f"prefill worker {pview.worker_id} lost: {type(exc).__name__}: "
+                                             f"{_first_line(exc)}")
+                self._out(pview, "replacing", result.error)
             finally:
                 pview.inflight -= 1
-                pview.inflight_tokens -= len(req.prompt_token_ids)
+                pview.inflight_tokens -= len(prompt)
             if result.ok:
                 pview.remember(req.block_hashes, _capacity(pview))
-                stats.first_token = time.monotonic()
-                stats.cached_prompt_tokens = result.num_cached_tokens
+                if not stats.first_token:
+                    stats.first_token = time.monotonic()
+                    stats.cached_prompt_tokens = result.num_cached_tokens
                 live.first_token = result.first_token
                 live.first_logprobs = result.first_logprobs
                 return
-            log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, stats.attempts,
-                        result.error)
-            await self._abort(decode, prefill, rid)
+            log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, retry, result.error)
+            decode_answered = await self._abort(decode, prefill, rid)
             live.views.remove(dview)
             dview.inflight -= 1
-            if stats.attempts >= self.max_prefill_attempts:
+            if decode.losses != live.decode_losses or not decode_answered:
+                live.done = True  # nothing left to cancel: the decode side went with its process
+                raise _DecodeLost(dview.worker_id, f"while its KV was sent: {result.error}")
+            if retry >= self.max_prefill_attempts or not self._candidates(self.prefills, exclude=tried):
                 live.done = True
-                raise RequestError(f"prefill failed on {sorted(tried)}: {result.error}", grpc.StatusCode.UNAVAILABLE)
+                raise RequestError(f"prefill failed on {sorted(tried)} (max_prefill_attempts="
+                                   f"{self.max_prefill_attempts}): {result.error}", grpc.StatusCode.UNAVAILABLE)
 
     # ---- start-up ---------------------------------------------------------------------------
     async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0, only: str | None = None) -> int:
@@ -370,14 +477,18 @@ class Dispatcher:
         task.add_done_callback(self._cleanup.discard)
 
     @staticmethod
-    async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> None:
+    async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> bool:
+        """Cancel `rid` on both workers; whether the decode worker answered (False: it is gone)."""
+        answered = True
         for handle in (prefill, decode):
             if handle is None or not rid:
                 continue
             try:
                 await asyncio.wait_for(handle.cancel(rid), 10)
             except Exception as exc:
-                log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, exc)
+                log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, _first_line(exc))
+                answered = answered and handle is not decode
+        return answered
 
     async def drain_cleanup(self) -> None:
         """Finish pending cancels, drop pending load calls and stop reading the workers' output
@@ -389,6 +500,14 @@ class Dispatcher:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
         await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
+
+
+def _remaining(params: SamplingParams, resume: Resume | None) -> SamplingParams:
+    """A resumed request's params for the prefill side, which sees prompt + the tokens so far as
+    its prompt: the tokens still to generate, so the two together stay within max_model_len."""
+    if resume is None:
+        return params
+    return dataclasses.replace(params, max_tokens=max(params.max_tokens - len(resume.output_token_ids), 1))
 
 
 def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:

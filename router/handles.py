@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from decode_worker.types import Admission, DecodeOutput
 from engine.load import WorkerLoad
+from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 
@@ -54,10 +55,13 @@ class WorkerHandle:
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._lost: BaseException | None = None  # why the output stream last failed (the worker was lost)
+        self.losses = 0  # how many times the output stream failed: a request admitted before a loss is gone
 
     # ---- decode (and colocated) workers ---------------------------------------------------
-    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
-        return await self._open(request_id, "admit", request_id, prompt_token_ids, params)
+    async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resume: Resume | None = None) -> Admission:
+        """`resume`: the request continues a stream whose decode worker was lost (engine.request.Resume)."""
+        return await self._open(request_id, "admit", request_id, prompt_token_ids, params, resume)
 
     async def next_output(self, request_id: str) -> Admission | DecodeOutput:
         """The request's next output (after a QUEUED_FOR_PAGES admission: its Admission with
@@ -122,6 +126,7 @@ class WorkerHandle:
             raise
         except Exception as exc:
             self._lost = exc
+            self.losses += 1
             for q in list(self._queues.values()):
                 q.put_nowait(exc)
 

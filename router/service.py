@@ -127,7 +127,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     @staticmethod
     def _log(rid: str, s: RequestStats, extra: dict) -> None:
         log_request({"request_id": rid, "prefill_worker": s.prefill_worker, "decode_worker": s.decode_worker,
-                     "local_prefill": s.local_prefill, "attempts": s.attempts, "prompt_tokens": s.prompt_tokens,
+                     "local_prefill": s.local_prefill, "attempts": s.attempts, "migrations": s.migrations,
+                     "prompt_tokens": s.prompt_tokens,
                      "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_prompt_tokens,
                      "kv_bytes": s.kv_bytes, **extra})
 
@@ -149,7 +150,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                                transfer_s=max(s.first_output - s.first_token, 0.0) if s.first_output else 0.0,
                                ttft_s=ttft, e2e_s=end - s.arrival),
             placement=pb.Placement(prefill_worker=s.prefill_worker, decode_worker=s.decode_worker,
-                                   local_prefill=s.local_prefill, attempts=s.attempts))
+                                   local_prefill=s.local_prefill, attempts=s.attempts,
+                                   migrations=s.migrations))
 
     async def ModelInfo(self, request, context) -> pb.ModelInfoResponse:
         if isinstance(request, BadRequest):

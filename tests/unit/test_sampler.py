@@ -5,17 +5,22 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, request_seed
 from engine.sampling_params import SamplingParams as SP
 
 sampler = Sampler()
 
 
+def sample(logits, params, seeds, position=0):
+    """One step; every row samples the token at `position`."""
+    return sampler(logits, params, seeds, [position] * len(seeds))
+
+
 def draw_many(logits_row: torch.Tensor, params: SP, n: int, seed: int = 0) -> torch.Tensor:
     """n independent draws from one logits vector, as one batch of n identical rows."""
     logits = logits_row.unsqueeze(0).expand(n, -1).contiguous()
-    gens = [make_generator(seed * 100_003 + i) for i in range(n)]
-    return torch.tensor(sampler(logits, [params] * n, gens).token_ids)
+    gens = [request_seed(seed * 100_003 + i) for i in range(n)]
+    return torch.tensor(sample(logits, [params] * n, gens).token_ids)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -45,7 +50,7 @@ def check_distribution(tokens: torch.Tensor, allowed: torch.Tensor, probs: torch
 
 def test_greedy_equals_argmax_in_model_dtype():
     logits = torch.randn(6, 1000, dtype=torch.bfloat16)
-    out = sampler(logits, [SP(temperature=0.0)] * 6, [None] * 6)
+    out = sample(logits, [SP(temperature=0.0)] * 6, [0] * 6)
     assert out.token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs == [None] * 6
 
@@ -53,7 +58,7 @@ def test_greedy_equals_argmax_in_model_dtype():
 def test_greedy_ties_pick_lowest_id_and_top_k_1_is_greedy():
     logits = torch.zeros(2, 50)
     logits[:, 7] = logits[:, 30] = 5.0
-    out = sampler(logits, [SP(temperature=0.0), SP(temperature=1.3, top_k=1)], [None, make_generator(1)])
+    out = sample(logits, [SP(temperature=0.0), SP(temperature=1.3, top_k=1)], [0, request_seed(1)])
     assert out.token_ids == [7, 7]
 
 
@@ -61,10 +66,10 @@ def test_same_seed_same_tokens_across_runs():
     logits = torch.randn(1, 5000)
     runs = []
     for _ in range(2):
-        g = make_generator(1234)
-        runs.append([sampler(logits, [SP(seed=1234)], [g]).token_ids[0] for _ in range(30)])
+        g = request_seed(1234)
+        runs.append([sample(logits, [SP(seed=1234)], [g], pos).token_ids[0] for pos in range(30)])
     assert runs[0] == runs[1]
-    assert len(set(runs[0])) > 5  # the generator advances from step to step
+    assert len(set(runs[0])) > 5  # each position draws its own uniform
 
 
 ROW_PARAMS = [
@@ -82,28 +87,28 @@ def test_same_seed_same_tokens_in_any_batch(params):
     torch.manual_seed(0)
     vocab, steps = 32000, 6
     row = torch.randn(steps, vocab) * 3
-    g = make_generator(params.seed)
-    alone = [sampler(row[s : s + 1], [params], [g]).token_ids[0] for s in range(steps)]
+    g = request_seed(params.seed)
+    alone = [sample(row[s : s + 1], [params], [g], s).token_ids[0] for s in range(steps)]
 
     # Same row at position 2 of a batch whose neighbours need other paths: a full-vocab
     # top-p fallback, large top-k, greedy, logprobs.
     neighbours = [SP(temperature=0.0), SP(top_p=0.999, temperature=3.0), SP(top_k=900, top_p=0.9, logprobs=5)]
-    g = make_generator(params.seed)
-    gens = [None, make_generator(1), g, make_generator(2)]
+    g = request_seed(params.seed)
+    gens = [0, request_seed(1), g, request_seed(2)]
     batched = []
     for s in range(steps):
         logits = torch.randn(4, vocab) * 3
         logits[2] = row[s]
-        out = sampler(logits, [neighbours[0], neighbours[1], params, neighbours[2]], gens)
+        out = sample(logits, [neighbours[0], neighbours[1], params, neighbours[2]], gens, s)
         batched.append(out.token_ids[2])
     assert alone == batched
 
 
 def test_different_seeds_differ():
     logits = torch.zeros(1, 1000)
-    first = {sampler(logits, [SP()], [make_generator(s)]).token_ids[0] for s in range(50)}
+    first = {sample(logits, [SP()], [request_seed(s)]).token_ids[0] for s in range(50)}
     assert len(first) > 40
-    unseeded = [[sampler(logits, [SP()], [g]).token_ids[0] for _ in range(10)] for g in (make_generator(None), make_generator(None))]
+    unseeded = [[sample(logits, [SP()], [g], pos).token_ids[0] for pos in range(10)] for g in (request_seed(None), request_seed(None))]
     assert unseeded[0] != unseeded[1]
 
 
@@ -172,8 +177,8 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top():
     torch.manual_seed(1)
     logits = torch.randn(3, 300)
     params = [SP(temperature=0.0, logprobs=4), SP(temperature=2.0, top_k=50, logprobs=20, seed=5), SP(seed=6)]
-    gens = [None, make_generator(5), make_generator(6)]
-    out = sampler(logits, params, gens)
+    gens = [0, request_seed(5), request_seed(6)]
+    out = sample(logits, params, gens)
     ref = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[2] is None
     for i in (0, 1):
@@ -191,7 +196,7 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top():
 
 
 def test_logprobs_zero_gives_only_the_chosen_token():
-    out = sampler(FIXED.unsqueeze(0), [SP(temperature=0.0, logprobs=0)], [None])
+    out = sample(FIXED.unsqueeze(0), [SP(temperature=0.0, logprobs=0)], [0])
     lp = out.logprobs[0]
     assert lp.top == [] and lp.rank == 1
     assert lp.logprob == pytest.approx(torch.log_softmax(FIXED, -1).max().item(), abs=1e-6)
@@ -201,8 +206,8 @@ def test_greedy_rows_mixed_with_random_rows():
     torch.manual_seed(2)
     logits = torch.randn(6, 500)
     params = [SP(temperature=0.0), SP(seed=1), SP(temperature=0.0), SP(seed=2, top_k=3), SP(temperature=0.0), SP(seed=3)]
-    gens = [None if p.greedy else make_generator(p.seed) for p in params]
-    out = sampler(logits, params, gens)
+    gens = [request_seed(p.seed) for p in params]
+    out = sample(logits, params, gens)
     argmax = logits.argmax(-1).tolist()
     for i in (0, 2, 4):
         assert out.token_ids[i] == argmax[i]
@@ -217,18 +222,46 @@ def test_top_k_larger_than_vocab_is_no_filter():
 
 
 def test_unseeded_rows_without_generator_still_sample():
-    out = sampler(torch.zeros(2, 100), [SP(), SP(top_p=0.5)], [None, None])
+    out = sample(torch.zeros(2, 100), [SP(), SP(top_p=0.5)], [0, 0])
     assert all(0 <= t < 100 for t in out.token_ids)
 
 
 def test_mismatched_lengths_are_rejected():
     with pytest.raises(ValueError, match="params"):
-        sampler(torch.zeros(2, 10), [SP()], [None])
+        sample(torch.zeros(2, 10), [SP()], [0])
 
 
 def test_extreme_logits_stay_finite():
     logits = torch.full((1, 100), -1e30)
     logits[0, 42] = 1e30
     for p in (SP(seed=1), SP(seed=1, top_p=0.3), SP(seed=1, min_p=0.5, top_k=5), SP(seed=1, temperature=1e-4)):
-        assert sampler(logits, [p], [make_generator(1)]).token_ids == [42]
-    assert math.isfinite(sampler(logits, [SP(logprobs=1, seed=1)], [make_generator(1)]).logprobs[0].logprob)
+        assert sample(logits, [p], [request_seed(1)]).token_ids == [42]
+    assert math.isfinite(sample(logits, [SP(logprobs=1, seed=1)], [request_seed(1)]).logprobs[0].logprob)
+
+
+def test_draws_are_uniform_over_seeds_and_positions():
+    """The counter-based draw: across seeds at one position and across positions of one seed,
+    the uniforms fill [0, 1) evenly (Kolmogorov-Smirnov), and neighbouring positions are
+    uncorrelated."""
+    from engine.sampler import draw_uniform
+
+    n = 20000
+    for us in ([draw_uniform(s, 7) for s in range(n)], [draw_uniform(12345, p) for p in range(n)]):
+        u = torch.tensor(sorted(us), dtype=torch.float64)
+        assert 0.0 <= u[0] and u[-1] < 1.0
+        ks = (u - torch.arange(n, dtype=torch.float64) / n).abs().max().item()
+        assert ks < 1.63 / math.sqrt(n)  # p = 0.01
+        x = torch.tensor(us, dtype=torch.float64)
+        assert abs(torch.corrcoef(torch.stack([x[:-1], x[1:]]))[0, 1].item()) < 0.03
+
+
+def test_a_draw_depends_only_on_seed_and_position():
+    """What makes hand-over and migration exact: sampling position p of a seeded request gives
+    the same token whatever was sampled before it, and wherever."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, 3000)
+    p = SP(seed=99, temperature=0.9, top_p=0.95)
+    straight = [sample(logits[i : i + 1], [p], [request_seed(99)], 40 + i).token_ids[0] for i in range(8)]
+    resumed = [sample(logits[i : i + 1], [p], [request_seed(99)], 40 + i).token_ids[0] for i in range(4, 8)]
+    assert resumed == straight[4:]
+    assert len(set(straight)) > 1

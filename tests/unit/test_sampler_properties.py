@@ -11,7 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, request_seed
+
+
+def sample(logits, params, seeds, position=0):
+    return Sampler()(logits, params, seeds, [position] * len(seeds))
 from engine.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -55,8 +59,8 @@ def allowed(row: list[float], p: SamplingParams) -> set[int]:
 def test_every_admitted_request_samples_an_allowed_token(batch):
     logits = torch.tensor([r for r, _ in batch], dtype=torch.float32)
     ps = [p for _, p in batch]
-    gens = [None if p.greedy else make_generator(p.seed) for p in ps]
-    out = Sampler()(logits, ps, gens)
+    gens = [request_seed(p.seed) for p in ps]
+    out = sample(logits, ps, gens)
     assert len(out.token_ids) == len(batch)
     for (row, p), tok, lp in zip(batch, out.token_ids, out.logprobs):
         assert 0 <= tok < VOCAB
@@ -68,10 +72,10 @@ def test_every_admitted_request_samples_an_allowed_token(batch):
 @SETTINGS
 @given(rows, params, st.lists(st.tuples(rows, params), min_size=1, max_size=3))
 def test_a_rows_token_does_not_depend_on_its_batch(row, p, others):
-    alone = Sampler()(torch.tensor([row]), [p], [None if p.greedy else make_generator(p.seed)])
+    alone = sample(torch.tensor([row]), [p], [request_seed(p.seed)])
     batch = [(row, p), *others]
-    together = Sampler()(torch.tensor([r for r, _ in batch]), [q for _, q in batch],
-                         [None if q.greedy else make_generator(q.seed) for _, q in batch])
+    together = sample(torch.tensor([r for r, _ in batch]), [q for _, q in batch],
+                         [request_seed(q.seed) for _, q in batch])
     assert together.token_ids[0] == alone.token_ids[0]
 
 
@@ -79,12 +83,12 @@ def test_a_tiny_temperature_samples_a_largest_logit():
     row = [0.0, 3.0, 1.0, 3.0, -math.inf, 2.0]
     for t in (5e-324, 1e-300, 1e-30):
         p = SamplingParams(temperature=t, seed=1)
-        tok = Sampler()(torch.tensor([row]), [p], [make_generator(1)]).token_ids[0]
+        tok = sample(torch.tensor([row]), [p], [request_seed(1)]).token_ids[0]
         assert tok in (1, 3)
 
 
 def test_a_huge_temperature_samples_every_finite_token_and_no_masked_one():
     row = [0.0, 30.0, -20.0, -math.inf]
     p = SamplingParams(temperature=1e308)
-    seen = {Sampler()(torch.tensor([row]), [p], [make_generator(s)]).token_ids[0] for s in range(200)}
+    seen = {sample(torch.tensor([row]), [p], [request_seed(s)]).token_ids[0] for s in range(200)}
     assert seen == {0, 1, 2}

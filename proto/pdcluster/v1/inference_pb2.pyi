@@ -79,16 +79,18 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "local_prefill", "attempts")
+    __slots__ = ("prefill_worker", "decode_worker", "local_prefill", "attempts", "migrations")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     local_prefill: bool
     attempts: int
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., attempts: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., attempts: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "placement", "logprobs")
