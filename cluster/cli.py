@@ -13,6 +13,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "serve"): ("cluster.serve", "start the cluster (router + prefill/decode pools on Ray) and serve gRPC"),
     (None, "generate"): ("cluster.generate", "stream one answer from a running cluster"),
     (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
+    (None, "drain"): ("cluster.drain", "take a running router out of service: running requests finish, new ones are refused"),
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: the compiled CPU attention kernel vs the torch backend"),

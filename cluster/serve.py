@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray address to join (default: start a local cluster on 127.0.0.1)")
     parser.add_argument("--migration-limit", type=int,
                         help="decode workers a request may lose and still continue on another (default 2; 0: off)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds running requests get to finish on stop")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="on SIGTERM/Ctrl-C: seconds running requests get to finish while health says NOT_SERVING "
+                             "and new requests are refused (default 30); then they are cancelled")
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="Prometheus /metrics port on the router host (default 9464; 0 picks a free one; -1 off)")
     parser.add_argument("--ready-file", help="write the router address here once SERVING")

@@ -1,5 +1,5 @@
 """`RouterServer`: the grpc.aio server around InferenceService, with the standard health
-service (SERVING once started, NOT_SERVING while draining) and server reflection, plus a
+service (SERVING while every needed role has a healthy worker, NOT_SERVING while draining) and server reflection, plus a
 background task that refreshes worker loads for placement. With `warm_up`, start() first runs
 one tiny request through every prefill/decode pair, so SERVING means every transfer handshake
 is done. With `metrics_port`, it also serves Prometheus text at /metrics (router.metrics)."""
@@ -62,6 +62,7 @@ class RouterServer:
             await self.service.dispatcher.refresh_loads()
         await server.start()
         self._server = server
+        self.service.on_draining = self._update_health
         if self.metrics_port is not None:
             port = self.service.metrics.serve(self.host, self.metrics_port)
             self.metrics_url = f"http://{self.host}:{port}/metrics"
@@ -102,13 +103,13 @@ class RouterServer:
             except Exception as exc:  # never let placement data stop the router
                 log.warning("load refresh failed: %s", exc)
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Drain: health NOT_SERVING, refuse new requests, let running ones finish within
-        grace_s (then cancel them, which frees their pages), stop."""
-        self.service.draining = True
-        await self._update_health()
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Drain, then stop: health NOT_SERVING at once, new requests refused with UNAVAILABLE
+        while the listener stays open, running ones finish within grace_s (then they are
+        cancelled, saying so, which frees their pages); then the listener closes."""
         if self._server is not None:
-            await self._server.stop(grace_s)
+            await self.service.drain(grace_s)
+            await self._server.stop(0)
             self._server = None
         await self.service.dispatcher.drain_cleanup()
         self.service.metrics.close()
@@ -136,5 +137,6 @@ def _add_inference_service(service: InferenceService, server: grpc.aio.Server) -
                                  pb.ClusterStatusResponse),
         "Tokenize": handler(grpc.unary_unary_rpc_method_handler, service.Tokenize, pb.TokenizeRequest,
                             pb.TokenizeResponse),
+        "Drain": handler(grpc.unary_unary_rpc_method_handler, service.Drain, pb.DrainRequest, pb.DrainResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -4,6 +4,11 @@ Admission: at most `max_inflight` requests run across the pools; up to `max_queu
 for a slot (their wait is the `queue_s` timing); beyond that a request is refused with
 RESOURCE_EXHAUSTED at once. A client deadline or cancel ends the handler's task, and the
 dispatcher cancels the request on both workers.
+
+Drain (`drain`, the Drain RPC; SIGTERM through RouterServer.stop): new requests get UNAVAILABLE
+"draining" while the listener stays open (health, ModelInfo, ClusterStatus still answer); the
+running and queued ones finish within the grace; any left then are cancelled with UNAVAILABLE
+saying the grace ran out, and the dispatcher frees their pages on both workers.
 """
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.served = 0
         self.failed = 0
         self.draining = False
+        self.on_draining = None  # called (awaited) when a drain begins: RouterServer updates health
+        self.default_grace_s = 30.0
+        self._handlers: set[asyncio.Task] = set()  # Generate calls past the draining check
+        self._shutdown_reason = ""  # set when a drain's grace ran out: why the handlers are cancelled
         self.metrics = RouterMetrics(lambda: dispatcher.views)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
@@ -44,7 +53,17 @@ class InferenceService(pb_grpc.InferenceServicer):
         if isinstance(request, BadRequest):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         if self.draining:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the router is draining")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the router is draining: it takes no new "
+                                                                    "requests; retry on another replica")
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            async for msg in self._generate(request, context, arrival):
+                yield msg
+        finally:
+            self._handlers.discard(task)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float):
         try:
             # validation, tokenization and chat templating off the event loop: a large request
             # must not hold up every other stream and call
@@ -93,6 +112,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             await self._abort(context, exc.code, str(exc))
         except asyncio.CancelledError:
             self.failed += 1
+            if self._shutdown_reason:  # a drain ran out of grace: tell the client so
+                self._log(rid, stats, {"error": grpc.StatusCode.UNAVAILABLE.name})
+                await self._abort(context, grpc.StatusCode.UNAVAILABLE, self._shutdown_reason)
             m.errors.labels(code=grpc.StatusCode.CANCELLED.name).inc()
             self._log(rid, stats, {"error": grpc.StatusCode.CANCELLED.name})
             raise
@@ -105,6 +127,38 @@ class InferenceService(pb_grpc.InferenceServicer):
                 self._waiting -= 1
                 m.waiting.dec()
             self._active.discard(rid)
+
+    async def drain(self, grace_s: float | None = None) -> tuple[int, int]:
+        """Refuse new requests, let those running finish within grace_s (default_grace_s), then
+        cancel the rest; returns (finished, cancelled). A second drain waits for the same end."""
+        grace_s = self.default_grace_s if grace_s is None else grace_s
+        if not 0 <= grace_s <= 3600:
+            raise ValueError(f"grace_s must be in [0, 3600], got {grace_s}")
+        first = not self.draining
+        self.draining = True
+        if first and self.on_draining is not None:
+            await self.on_draining()
+        running = set(self._handlers)
+        if running:
+            await asyncio.wait(running, timeout=grace_s)
+        left = [t for t in running if not t.done()]
+        if left:
+            self._shutdown_reason = (f"the router is shutting down: this request was still running when the drain's "
+                                     f"grace of {grace_s:g} s ran out")
+            for t in left:
+                t.cancel()
+            await asyncio.wait(left, timeout=10)
+        return len(running) - len(left), len(left)
+
+    async def Drain(self, request: pb.DrainRequest | BadRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        grace = request.grace_s or None
+        if grace is not None and not 0 < grace <= 3600:  # also nan
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"grace_s must be in (0, 3600] "
+                                                                         f"(0: the default), got {request.grace_s}")
+        finished, cancelled = await self.drain(grace)
+        return pb.DrainResponse(finished=finished, cancelled=cancelled)
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.errors.labels(code=code.name).inc()

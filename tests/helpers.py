@@ -293,3 +293,15 @@ def our_ray_processes() -> list[str]:
         if "raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd or "default_worker" in cmd:
             names.append(f"{p}: {cmd[:80]}")
     return names
+
+
+def slow_steps(worker, step_s: float) -> None:
+    """Fault injection, named so: every engine step of `worker` takes at least `step_s` longer
+    (a slow decode, so that a stream is still running when a test acts on it)."""
+    step = worker.step
+
+    def slow_step():
+        time.sleep(step_s)
+        return step()
+
+    worker.step = slow_step

@@ -1,5 +1,6 @@
 """`pdcluster serve` as users run it: SERVING, `pdcluster generate` and `pdcluster status`
-answer, and SIGTERM drains and stops with exit code 0, leaving no Ray processes."""
+answer, `pdcluster drain` lets a running stream finish and refuses new ones, and SIGTERM
+stops with exit code 0, leaving no Ray processes."""
 from __future__ import annotations
 
 import os
@@ -32,6 +33,25 @@ def test_serve_generate_status_sigterm(tmp_path, tiny_model):
         assert gen.returncode == 0 and "finish=length" in gen.stderr, gen.stderr
         st = subprocess.run(exe + ["status", "--address", addr], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout, st.stdout
+        import grpc
+
+        from proto.pdcluster.v1 import inference_pb2 as pb
+        from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(addr))
+        long = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=1000, temperature=0,
+                                                                             ignore_eos=True))
+        call = stub.Generate(long, timeout=120)
+        first = next(call)
+        drain = subprocess.Popen(exe + ["drain", "--address", addr, "--grace", "60"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        rest = list(call)  # the running stream is not cut by the drain
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 1000
+        out, _ = drain.communicate(timeout=90)
+        assert drain.returncode == 0 and "0 cancelled" in out, out
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(long, timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out

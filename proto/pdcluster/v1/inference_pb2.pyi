@@ -158,6 +158,20 @@ class ClusterStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_s",)
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    def __init__(self, grace_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("finished", "cancelled")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    finished: int
+    cancelled: int
+    def __init__(self, finished: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdcluster.v1.Inference/Drain',
+                request_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -83,6 +88,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop taking requests (health NOT_SERVING, new Generate calls UNAVAILABLE "draining"; the
+        listener stays open) and let the running ones finish within grace_s; those still running
+        then are cancelled with UNAVAILABLE saying so. Answers once the router is idle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +119,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +234,33 @@ class Inference:
             '/pdcluster.v1.Inference/Tokenize',
             proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             proto_dot_pdcluster_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Inference/Drain',
+            proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
+            proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
