@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sampler import Sampler, request_seed
+from engine.sampling_params import SamplingParams
 
 
 def sample(logits, params, seeds, position=0):
     return Sampler()(logits, params, seeds, [position] * len(seeds))
-from engine.sampling_params import SamplingParams
+
 
 VOCAB = 12
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
