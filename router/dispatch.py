@@ -174,9 +174,15 @@ class Dispatcher:
 
         await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
 
-    @staticmethod
-    def _out(view: WorkerView, state: str, error: str) -> None:
+    def _out(self, view: WorkerView, state: str, error: str) -> None:
         view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
+        if state == "dead":  # streams waiting for this worker's return give up
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the streams waiting for a worker (_wait_for)."""
+        self._back.set()
+        self._back = asyncio.Event()
 
     def _loaded(self, wid: str, view: WorkerView, load) -> None:
         """A load answered. A worker answering from a new process (Ray restarted it) is warmed up
@@ -200,17 +206,20 @@ class Dispatcher:
 
     def _serving(self, view: WorkerView) -> None:
         view.healthy, view.error, view.state = True, "", "serving"
-        self._back.set()  # wake the streams waiting for a worker to migrate to
-        self._back = asyncio.Event()
+        self._wake()
 
     async def _rejoin(self, wid: str) -> None:
         view = self.views[wid]
         try:
             await self.warm_up(WARM_UP_PROMPT, only=wid)
         except Exception as exc:
-            view.error = f"warm-up after a restart failed: {_first_line(exc)}"[:300]
-            await asyncio.sleep(1.0)  # the next load refresh tries again, not at once
+            view.failed_rejoins += 1
+            wait = min(2.0 ** (view.failed_rejoins - 1), 30.0)  # a worker failing its warm-up backs off
+            view.error = view.last_error = (f"warm-up after a restart failed {view.failed_rejoins} time(s), next try in "
+                                            f"{wait:g} s: {_first_line(exc)}")[:300]
+            await asyncio.sleep(wait)  # the next load refresh after it tries again
             return
+        view.failed_rejoins = 0
         self._serving(view)
         log.warning("worker %s is back in placement (restart %d)", wid, view.restarts)
 
@@ -269,17 +278,28 @@ class Dispatcher:
     async def _wait_for_decode(self, req: PreparedRequest, lost: list[str]) -> None:
         """Until a decode worker can take the migrating request (a replacement, when the lost one
         was the only one), for migration_wait_s at most; the client's deadline may end it first."""
+        await self._wait_for(lambda: self._decode_candidates(req), f"to continue on (lost: {lost})",
+                             [req.decode_worker] if req.decode_worker else list(self.decodes), "no healthy decode worker")
+
+    async def _wait_for(self, candidates, what: str, pool: list[str], none: str) -> None:
+        """Until `candidates()` (which may raise RequestError while there are none) finds a worker
+        of `pool`, for migration_wait_s at most, woken whenever a worker enters placement or is
+        given up on; at once when every worker of `pool` is dead (nothing will come back)."""
         deadline = time.monotonic() + self.migration_wait_s
         while True:
             back = self._back
             try:
-                self._decode_candidates(req)
-                return
+                if candidates():
+                    return
+                error = none
             except RequestError as exc:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RequestError(f"{exc} to continue on within migration_wait_s={self.migration_wait_s:g} "
-                                       f"(lost: {lost})", grpc.StatusCode.UNAVAILABLE) from exc
+                error = str(exc)
+            left = deadline - time.monotonic()
+            if all(self.views[w].state == "dead" for w in pool if w in self.views):
+                raise RequestError(f"{error} {what}: every one is dead ({', '.join(pool)})", grpc.StatusCode.UNAVAILABLE)
+            if left <= 0:
+                raise RequestError(f"{error} {what} within migration_wait_s={self.migration_wait_s:g}",
+                                   grpc.StatusCode.UNAVAILABLE)
             try:
                 await asyncio.wait_for(back.wait(), left)
             except asyncio.TimeoutError:
@@ -397,6 +417,7 @@ class Dispatcher:
             pview.inflight_tokens += len(prompt)
             if not stats.prefill_start:
                 stats.prefill_start = time.monotonic()
+            prefill_lost = False
             try:
                 result = await prefill.submit(PrefillTask(rid, prompt, _remaining(req.params, resume), [adm.descriptor]))
             except ValueError as exc:
@@ -406,6 +427,7 @@ class Dispatcher:
                                        error=f"prefill worker {pview.worker_id} lost: {type(exc).__name__}: "
                                              f"{_first_line(exc)}")
                 self._out(pview, "replacing", result.error)
+                prefill_lost = True
             finally:
                 pview.inflight -= 1
                 pview.inflight_tokens -= len(prompt)
@@ -424,10 +446,16 @@ class Dispatcher:
             if decode.losses != live.decode_losses or not decode_answered:
                 live.done = True  # nothing left to cancel: the decode side went with its process
                 raise _DecodeLost(dview.worker_id, f"while its KV was sent: {result.error}")
-            if retry >= self.max_prefill_attempts or not self._candidates(self.prefills, exclude=tried):
+            if prefill_lost:  # its replacement is a new process: it may take the retry
+                tried.discard(pview.worker_id)
+            if retry >= self.max_prefill_attempts or not (prefill_lost or self._candidates(self.prefills, exclude=tried)):
                 live.done = True
-                raise RequestError(f"prefill failed on {sorted(tried)} (max_prefill_attempts="
+                raise RequestError(f"prefill failed on {sorted(tried | {pview.worker_id})} (max_prefill_attempts="
                                    f"{self.max_prefill_attempts}): {result.error}", grpc.StatusCode.UNAVAILABLE)
+            if prefill_lost:  # with no other prefill worker, wait for the replacement, as a migration does
+                await self._wait_for(lambda: self._candidates(self.prefills, exclude=tried),
+                                     f"to retry the prefill on (lost: {pview.worker_id})", list(self.prefills),
+                                     "no healthy prefill worker")
 
     # ---- start-up ---------------------------------------------------------------------------
     async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0, only: str | None = None) -> int:

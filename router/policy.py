@@ -34,6 +34,7 @@ class WorkerView:
     node: str = ""
     restarts: int = 0
     last_error: str = ""              # why it was last lost or out of placement
+    failed_rejoins: int = 0           # warm-ups failed in a row since it was lost (backoff)
     inflight: int = 0                 # requests placed here by this router, not finished
     inflight_tokens: int = 0          # prompt tokens of those (prefill: not yet sampled)
     placed: int = 0
