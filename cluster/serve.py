@@ -22,6 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     parser.add_argument("--policy", choices=("round-robin", "least-loaded", "prefix-aware"))
     parser.add_argument("--address", help="Ray address to join (default: start a local cluster on 127.0.0.1)")
+    eng = parser.add_argument_group("engine settings of every pool (override the config's)")
+    eng.add_argument("--dtype", help="weights and KV cache dtype: float32, bfloat16, float16 (default: float32 on "
+                                     "CPU, bfloat16 on GPU)")
+    eng.add_argument("--max-model-len", type=int, help="longest sequence, prompt plus output, in tokens "
+                                                       "(default: the model's)")
+    eng.add_argument("--page-size", type=int, help="tokens per KV cache page (default 16)")
+    eng.add_argument("--num-pages", type=int, help="KV cache size of each worker, in pages (default: from the KV "
+                                                   "memory budget)")
+    eng.add_argument("--max-num-seqs", type=int, help="most sequences one worker batches (default 64)")
     parser.add_argument("--migration-limit", type=int,
                         help="decode workers a request may lose and still continue on another (default 2; 0: off)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -49,16 +58,43 @@ def load_config(args: argparse.Namespace):
         router["metrics_port"] = None if metrics_port < 0 else metrics_port
     if router:
         updates["router"] = cfg.router.model_copy(update=router)
+    engine = {k: getattr(args, k, None) for k in ("dtype", "max_model_len", "page_size", "num_pages", "max_num_seqs")}
+    engine = {k: v for k, v in engine.items() if v is not None}
+    if engine:
+        updates["pools"] = [p.model_copy(update={"engine": p.engine.model_copy(update=engine)}) for p in cfg.pools]
     if args.kv_transport:
         updates["transport"] = cfg.transport.model_copy(update={"kind": args.kv_transport})
-    return ClusterConfig.model_validate({**cfg.model_dump(), **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
-                                                                  for k, v in updates.items()}})
+    def dump(v):
+        if isinstance(v, list):
+            return [dump(x) for x in v]
+        return v.model_dump() if hasattr(v, "model_dump") else v
+
+    return ClusterConfig.model_validate({**cfg.model_dump(), **{k: dump(v) for k, v in updates.items()}})
+
+
+def config_errors(exc: Exception) -> str:
+    """One line per problem, naming the field (pydantic's own text without its links)."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return f"  {exc}"
+    lines = []
+    for e in exc.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "config"
+        lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     from cluster.runtime import Cluster
 
-    cfg = load_config(args)
+    from pydantic import ValidationError
+
+    try:
+        cfg = load_config(args)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"pdcluster serve: invalid configuration:\n{config_errors(exc)}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(*_) -> None:
