@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
         req.messages.append(pb.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
-    times, last = [], None
+    times, last, ids = [], None, []
     start = time.perf_counter()
     with grpc.insecure_channel(args.address) as ch:
         try:
             for chunk in pb_grpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
                 if chunk.token_ids:
                     times.append(time.perf_counter())
+                    ids += chunk.token_ids
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
@@ -58,9 +60,14 @@ def run(args: argparse.Namespace) -> int:
     u, t = last.usage, last.timings
     itl = f"{sum(gaps) / len(gaps) * 1e3:.1f} ms" if gaps else "n/a"
     ttft = f"{(times[0] - start) * 1e3:.1f} ms" if times else "n/a"
+    # decode rate as the client sees it: tokens after the first over the time they took
+    rate = f"{(len(ids) - 1) / (times[-1] - times[0]):.1f} tokens/s" if len(times) > 1 and times[-1] > times[0] else "n/a"
+    if args.show_ids:
+        print(f"ids: {ids}")
     print(f"[{last.request_id}] finish={last.finish_reason} prompt={u.prompt_tokens} completion={u.completion_tokens} "
           f"cached={u.cached_prompt_tokens}; TTFT {ttft} (router {t.ttft_s * 1e3:.1f} ms: queue "
-          f"{t.queue_s * 1e3:.1f}, prefill {t.prefill_s * 1e3:.1f}, transfer {t.transfer_s * 1e3:.1f}), ITL {itl}; "
+          f"{t.queue_s * 1e3:.1f}, prefill {t.prefill_s * 1e3:.1f}, transfer {t.transfer_s * 1e3:.1f}), ITL {itl}, "
+          f"{rate}; "
           f"prefill on {last.placement.prefill_worker or '(decode worker)'}, decode on {last.placement.decode_worker}",
           file=sys.stderr)
     return 0

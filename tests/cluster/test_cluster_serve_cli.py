@@ -28,9 +28,12 @@ def test_serve_generate_status_sigterm(tmp_path, tiny_model):
 
         wait_until(started, 240, 0.2, "pdcluster serve writing its ready file")
         addr = ready.read_text()
-        gen = subprocess.run(exe + ["generate", "--address", addr, "hello", "--max-tokens", "5", "--temperature", "0"],
+        gen = subprocess.run(exe + ["generate", "--address", addr, "hello", "--max-tokens", "5", "--temperature", "0",
+                              "--show-ids"],
                              capture_output=True, text=True, timeout=120)
-        assert gen.returncode == 0 and "finish=length" in gen.stderr, gen.stderr
+        assert gen.returncode == 0 and "finish=length" in gen.stderr and "tokens/s" in gen.stderr, gen.stderr
+        ids_line = [line for line in gen.stdout.splitlines() if line.startswith("ids: [")]
+        assert len(ids_line) == 1 and len(ids_line[0][5:].strip("[]").split(",")) == 5, gen.stdout
         st = subprocess.run(exe + ["status", "--address", addr], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout, st.stdout
         import grpc
