@@ -103,11 +103,15 @@ class RouterActor:
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
                                    max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
-                                   migration_wait_s=r.migration_wait_s, warm_up=True)
+                                   migration_wait_s=r.migration_wait_s, warm_up=True, http_port=r.http_port)
         self.server.metrics_port = r.metrics_port
         address = await self.server.start()
         freeze_startup_heap()
         return address
+
+    def http_url(self) -> str:
+        """http://host:port of the OpenAI-compatible API (its routes under /v1), or "" when off."""
+        return self.server.http_url if self.server is not None else ""
 
     def metrics_url(self) -> str:
         """http://host:port/metrics of the router, or "" when metrics are off."""

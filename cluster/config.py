@@ -133,6 +133,11 @@ class RouterSettings(_Strict):
                                                   "request is refused with RESOURCE_EXHAUSTED; 0: no waiting")
     max_prefill_attempts: int = Field(2, ge=1, le=8, description="prefill tries per request, each on a different "
                                                                  "prefill worker, before it fails with UNAVAILABLE")
+    http_port: int | None = Field(None, ge=0, le=65535,
+                                  description="port of the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+                                              "/v1/chat/completions) on the router's host; 0 picks a free one, null "
+                                              "serves none; `pdcluster serve` replaces it with --http-port (default "
+                                              "8000, -1: off)")
     migration_limit: int = Field(2, ge=0, le=16, description="decode workers a request may lose and still go on: its "
                                                              "stream continues on another decode worker with no lost "
                                                              "or repeated token; one more loss ends it with "

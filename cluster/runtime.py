@@ -33,6 +33,7 @@ class Cluster:
     workers: list[WorkerRecord] = field(default_factory=list)
     router_address: str = ""
     metrics_url: str = ""               # the router's Prometheus endpoint; "" when router.metrics_port is None
+    http_url: str = ""                  # the router's OpenAI-compatible API (routes under /v1); "" when off
     _router: object = None
     _pgs: list = field(default_factory=list)
     _started_ray: bool = False
@@ -82,6 +83,7 @@ class Cluster:
             self.router_address = ray.get(self._router.start.remote(), timeout=max(deadline - time.monotonic(), 1))
             wait_serving(self.router_address, max(deadline - time.monotonic(), 1))
             self.metrics_url = ray.get(self._router.metrics_url.remote(), timeout=10)
+            self.http_url = ray.get(self._router.http_url.remote(), timeout=10)
         except BaseException:
             self.stop()
             raise

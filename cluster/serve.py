@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and new requests are refused (default 30); then they are cancelled")
     parser.add_argument("--metrics-port", type=int, default=9464,
                         help="Prometheus /metrics port on the router host (default 9464; 0 picks a free one; -1 off)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port on the router host (default 8000; 0 picks a free one; "
+                             "-1 off)")
     parser.add_argument("--ready-file", help="write the router address here once SERVING")
 
 
@@ -56,6 +59,9 @@ def load_config(args: argparse.Namespace):
     metrics_port = getattr(args, "metrics_port", None)
     if metrics_port is not None:
         router["metrics_port"] = None if metrics_port < 0 else metrics_port
+    http_port = getattr(args, "http_port", None)
+    if http_port is not None:
+        router["http_port"] = None if http_port < 0 else http_port
     if router:
         updates["router"] = cfg.router.model_copy(update=router)
     engine = {k: getattr(args, k, None) for k in ("dtype", "max_model_len", "page_size", "num_pages", "max_num_seqs")}
@@ -112,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         address = cluster.start()
         install()  # ray.init installs its own SIGTERM handler (which exits at once): drain instead
         print(f"serving pdcluster.v1.Inference on {address} (Ctrl-C to stop)", flush=True)
+        if cluster.http_url:
+            print(f"OpenAI-compatible API at {cluster.http_url}/v1", flush=True)
         if cluster.metrics_url:
             print(f"metrics at {cluster.metrics_url}", flush=True)
         if args.ready_file:

@@ -1,8 +1,10 @@
 """`RouterServer`: the grpc.aio server around InferenceService, with the standard health
-service (SERVING while every needed role has a healthy worker, NOT_SERVING while draining) and server reflection, plus a
-background task that refreshes worker loads for placement. With `warm_up`, start() first runs
-one tiny request through every prefill/decode pair, so SERVING means every transfer handshake
-is done. With `metrics_port`, it also serves Prometheus text at /metrics (router.metrics)."""
+service (SERVING while every needed role has a healthy worker, NOT_SERVING while draining) and
+server reflection, plus a background task that refreshes worker loads for placement. With
+`warm_up`, start() first runs one tiny request through every prefill/decode pair, so SERVING
+means every transfer handshake is done. With `metrics_port`, it also serves Prometheus text at
+/metrics (router.metrics); with `http_port`, the OpenAI-compatible HTTP API
+(router.openai_http), on the same event loop and through the same service."""
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +27,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
                  *, load_refresh_s: float = 0.1, load_timeout_s: float = 2.0, max_message_bytes: int = 16 << 20,
-                 warm_up: bool = False, metrics_port: int | None = None) -> None:
+                 warm_up: bool = False, metrics_port: int | None = None, http_port: int | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
@@ -36,6 +38,9 @@ class RouterServer:
         self.warm_up = warm_up
         self.metrics_port = metrics_port  # None: no /metrics endpoint; 0: a free port
         self.metrics_url = ""
+        self.http_port = http_port  # None: no OpenAI-compatible HTTP API; 0: a free port
+        self.http_url = ""
+        self._http = None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task | None = None
@@ -67,6 +72,13 @@ class RouterServer:
             port = self.service.metrics.serve(self.host, self.metrics_port)
             self.metrics_url = f"http://{self.host}:{port}/metrics"
             log.info("router metrics on %s", self.metrics_url)
+        if self.http_port is not None:
+            from router.openai_http import HttpServer, OpenAIApi
+
+            api = OpenAIApi(self.service, self.service.model_id, self.service.frontend.tokenizer)
+            self._http = HttpServer(api.app, self.host, self.http_port)
+            self.http_url = await self._http.start()
+            log.info("router OpenAI-compatible API on %s/v1", self.http_url)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
         await self._update_health()
         log.info("router serving %s on %s", SERVICE_NAME, self.address)
@@ -111,6 +123,9 @@ class RouterServer:
             await self.service.drain(grace_s)
             await self._server.stop(0)
             self._server = None
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         await self.service.dispatcher.drain_cleanup()
         self.service.metrics.close()
         if self._refresher is not None:

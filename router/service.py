@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -49,34 +50,44 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.metrics = RouterMetrics(lambda: dispatcher.views)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
-        arrival = time.monotonic()
-        if isinstance(request, BadRequest):
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        if self.draining:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the router is draining: it takes no new "
-                                                                    "requests; retry on another replica")
-        task = asyncio.current_task()
-        self._handlers.add(task)
         try:
-            async for msg in self._generate(request, context, arrival):
+            async for msg in self.generate(request):
                 yield msg
-        finally:
-            self._handlers.discard(task)
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, arrival: float):
-        try:
-            # validation, tokenization and chat templating off the event loop: a large request
-            # must not hold up every other stream and call
-            prepared = await asyncio.to_thread(self.frontend.prepare, request)
         except RequestError as exc:
-            await self._abort(context, exc.code, str(exc))
+            await context.abort(exc.code, str(exc))
+
+    async def generate(self, request: pb.GenerateRequest | BadRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """One Generate call, through whichever door it came (gRPC, the OpenAI HTTP API): its
+        messages, the final one with usage and timings; a RequestError ends it with its status."""
+        try:
+            arrival = time.monotonic()
+            if isinstance(request, BadRequest):
+                raise RequestError(request.reason)
+            if self.draining:
+                raise RequestError("the router is draining: it takes no new requests; retry on another replica",
+                                   grpc.StatusCode.UNAVAILABLE)
+            task = asyncio.current_task()
+            self._handlers.add(task)
+            try:
+                async for msg in self._generate(request, arrival):
+                    yield msg
+            finally:
+                self._handlers.discard(task)
+        except RequestError as exc:
+            self.metrics.errors.labels(code=exc.code.name).inc()
+            raise
+
+    async def _generate(self, request: pb.GenerateRequest, arrival: float):
+        # validation, tokenization and chat templating off the event loop: a large request
+        # must not hold up every other stream and call
+        prepared = await asyncio.to_thread(self.frontend.prepare, request)
         rid = prepared.request_id
         if rid in self._active:
-            await self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight")
+            raise RequestError(f"request_id {rid!r} is already in flight", grpc.StatusCode.ALREADY_EXISTS)
         if self._running >= self.max_inflight and self._waiting >= self.max_queue:
-            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the admission queue is full ({self._waiting} waiting, max_queue={self.max_queue}, "
-                                f"{self._running} running, max_inflight={self.max_inflight}); retry later")
+            raise RequestError(f"the admission queue is full ({self._waiting} waiting, max_queue={self.max_queue}, "
+                               f"{self._running} running, max_inflight={self.max_inflight}); retry later",
+                               grpc.StatusCode.RESOURCE_EXHAUSTED)
         self._active.add(rid)
         stats = RequestStats(arrival=arrival)
         self._waiting += 1
@@ -109,12 +120,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         except RequestError as exc:
             self.failed += 1
             self._log(rid, stats, {"error": exc.code.name})
-            await self._abort(context, exc.code, str(exc))
+            raise
         except asyncio.CancelledError:
             self.failed += 1
             if self._shutdown_reason:  # a drain ran out of grace: tell the client so
                 self._log(rid, stats, {"error": grpc.StatusCode.UNAVAILABLE.name})
-                await self._abort(context, grpc.StatusCode.UNAVAILABLE, self._shutdown_reason)
+                raise RequestError(self._shutdown_reason, grpc.StatusCode.UNAVAILABLE) from None
             m.errors.labels(code=grpc.StatusCode.CANCELLED.name).inc()
             self._log(rid, stats, {"error": grpc.StatusCode.CANCELLED.name})
             raise

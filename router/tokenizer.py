@@ -41,6 +41,10 @@ class RouterTokenizer:
         """Token ids of `text`, without special tokens (what the engine's tokenizer gives)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def decode_one(self, token_id: int) -> str:
+        """One token's text on its own (special tokens included), as logprobs name tokens."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template")

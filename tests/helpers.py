@@ -250,8 +250,9 @@ def kv_bytes_moved(decode_worker, prompt_lens) -> int:
 CLUSTER_ENGINE = dict(num_pages=256, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=32, page_size=16)
 
 
-def start_cluster(tiny_model, metrics: bool = False, **kw):
-    """A real local Ray cluster of the tiny llama model (`ClusterConfig.embedded` options)."""
+def start_cluster(tiny_model, metrics: bool = False, http: bool = False, **kw):
+    """A real local Ray cluster of the tiny llama model (`ClusterConfig.embedded` options), with
+    the router's /metrics and its OpenAI-compatible HTTP API on free ports when asked."""
     from cluster.config import ClusterConfig
     from cluster.runtime import Cluster
 
@@ -259,6 +260,8 @@ def start_cluster(tiny_model, metrics: bool = False, **kw):
     cfg = ClusterConfig.embedded(model="tiny", port=0, engine=CLUSTER_ENGINE, **kw)
     if metrics:
         cfg.router.metrics_port = 0
+    if http:
+        cfg.router.http_port = 0
     cluster = Cluster(cfg)
     cluster.start()
     return cluster

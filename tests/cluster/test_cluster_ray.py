@@ -22,7 +22,7 @@ from tests.helpers import (S, collect, descendants, our_ray_processes, random_pr
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
-    c = start_cluster(tiny_model, prefill=1, decode=1, transport="nixl", metrics=True)
+    c = start_cluster(tiny_model, prefill=1, decode=1, transport="nixl", metrics=True, http=True)
     yield c
     c.stop()
     assert not our_ray_processes(), "Ray processes left after stop"
@@ -39,6 +39,19 @@ def test_32_concurrent_streams_equal_llm_greedy(cluster, tiny_model, make_llm):
     st = wait_free(stub(cluster))
     assert all(w.free_pages == w.total_pages and w.healthy for w in st.workers), st
     assert st.requests_served >= 32
+
+
+def test_the_openai_api_through_ray_equals_grpc(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    prompt = list(range(7, 30))
+    want, text, _ = collect(stub(cluster), pb.GenerateRequest(prompt_token_ids=prompt, sampling=S(
+        max_tokens=8, temperature=0, ignore_eos=True)))
+    got = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert got == text and cluster.http_url.startswith("http://127.0.0.1:")
 
 
 def test_bad_requests_through_ray_then_serves(cluster):

@@ -19,7 +19,8 @@ def test_serve_generate_status_sigterm(tmp_path, tiny_model):
     tiny_model("llama")
     ready = tmp_path / "addr"
     exe = [sys.executable, "-m", "cluster.cli"]
-    proc = subprocess.Popen(exe + ["serve", "--model", "tiny", "--port", "0", "--ready-file", str(ready)],
+    proc = subprocess.Popen(exe + ["serve", "--model", "tiny", "--port", "0", "--http-port", "0",
+                                   "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         def started() -> bool:
