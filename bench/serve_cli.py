@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write every figure and per-request records here")
     p.add_argument("--plot", help="write PNG plots into this directory")
     p.add_argument("--no-progress", action="store_true")
+    from proto.client import add_client_arguments
+
+    add_client_arguments(p)
 
 
 def _validate(args: argparse.Namespace) -> tuple[tuple[float, ...], dict[str, float]]:
@@ -34,12 +37,14 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from loadgen import client, report
+    from proto.client import client_auth
     from loadgen.metrics import summarize
     from loadgen.workload_args import workload_from_args
     from loadgen.workloads import materialize_prompts
 
+    auth = client_auth(args)
     try:
-        info = asyncio.run(client.model_info(args.address))
+        info = asyncio.run(client.model_info(args.address, auth=auth))
     except grpc.RpcError as exc:
         print(f"pdcluster bench serve: cannot reach {args.address}: {exc.code().name}", file=sys.stderr)
         return 1
@@ -50,11 +55,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     materialize_prompts(wl, info.vocab_size, args.seed)
     records, duration, timeline = client.run_benchmark_sync(args.address, wl, max_concurrency=args.max_concurrency,
-                                                            progress=not args.no_progress, timeout_s=args.timeout)
+                                                            progress=not args.no_progress, timeout_s=args.timeout,
+                                                            auth=auth)
     summary = summarize(records, duration, percentiles, slo or None)
     print(report.format_table(summary))
     if args.json:
-        config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
         config.update(model_id=info.model_id, workload=wl.name, workload_meta=wl.meta, block_tokens=wl.block_tokens)
         report.write_json(args.json, summary, records, config)
     if args.plot:

@@ -95,6 +95,7 @@ class RouterActor:
     async def start(self) -> str:
         from router.app import build_router
         from router.handles import WorkerHandle
+        from router.security import Access, Tls
 
         cfg, r = self.config, self.config.router
         prefills = [WorkerHandle(RayActor(a), wid, pool, "prefill") for wid, pool, a in self.prefills]
@@ -103,11 +104,17 @@ class RouterActor:
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
                                    max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
-                                   migration_wait_s=r.migration_wait_s, warm_up=True, http_port=r.http_port)
+                                   migration_wait_s=r.migration_wait_s, warm_up=True, http_port=r.http_port,
+                                   access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
+                                   tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None)
         self.server.metrics_port = r.metrics_port
         address = await self.server.start()
         freeze_startup_heap()
         return address
+
+    def serving(self) -> bool:
+        """Whether the router's health says SERVING (asked here: no credentials needed)."""
+        return self.server is not None and self.server.health_status == "SERVING"
 
     def http_url(self) -> str:
         """http://host:port of the OpenAI-compatible API (its routes under /v1), or "" when off."""

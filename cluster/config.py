@@ -138,6 +138,18 @@ class RouterSettings(_Strict):
                                               "/v1/chat/completions) on the router's host; 0 picks a free one, null "
                                               "serves none; `pdcluster serve` replaces it with --http-port (default "
                                               "8000, -1: off)")
+    api_keys: list[str] = Field(default_factory=list, repr=False,
+                                description="API keys; when any is set, every gRPC RPC and HTTP route needs one "
+                                            "(`authorization: Bearer KEY`); `pdcluster serve` adds --api-key and "
+                                            "$PDCLUSTER_API_KEYS (comma-separated)")
+    open_health: bool = Field(False, description="with api_keys: answer grpc.health.v1 without a key (for probes "
+                                                 "that cannot send one)")
+    open_metrics: bool = Field(False, description="with api_keys: serve /metrics without a key")
+    tls_cert: str | None = Field(None, description="PEM certificate of the router: gRPC, the HTTP API and /metrics "
+                                                   "are served over TLS; needs tls_key")
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert")
+    tls_client_ca: str | None = Field(None, description="PEM CA bundle: clients must present a certificate it "
+                                                        "signed (mutual TLS); needs tls_cert")
     migration_limit: int = Field(2, ge=0, le=16, description="decode workers a request may lose and still go on: its "
                                                              "stream continues on another decode worker with no lost "
                                                              "or repeated token; one more loss ends it with "
@@ -151,6 +163,21 @@ class RouterSettings(_Strict):
                                      description="Prometheus /metrics port on the router host; 0 picks a free one, "
                                                  "null serves no metrics; `pdcluster serve` replaces it with "
                                                  "--metrics-port (default 9464, -1: off)")
+
+    @model_validator(mode="after")
+    def _locks_are_whole(self) -> RouterSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("router.tls_cert and router.tls_key go together: set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("router.tls_client_ca (mutual TLS) needs router.tls_cert and router.tls_key")
+        from router.security import check_key
+
+        for i, k in enumerate(self.api_keys):
+            try:
+                check_key(k)
+            except ValueError as exc:
+                raise ValueError(f"router.api_keys[{i}]: {exc}") from None
+        return self
 
 
 class ClusterConfig(_Strict):

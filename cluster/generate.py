@@ -21,11 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     parser.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+    from proto.client import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from proto.client import client_auth
     from proto.pdcluster.v1 import inference_pb2 as pb
     from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         req.prompt = args.prompt
     times, last, ids = [], None, []
     start = time.perf_counter()
-    with grpc.insecure_channel(args.address) as ch:
+    with client_auth(args).channel(args.address) as ch:
         try:
             for chunk in pb_grpc.InferenceStub(ch).Generate(req, timeout=args.timeout):
                 if chunk.token_ids:

@@ -81,7 +81,12 @@ class Cluster:
             self._router = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name="pdcluster-router",
                                                            max_concurrency=10000).remote(cfg, prefills, decodes)
             self.router_address = ray.get(self._router.start.remote(), timeout=max(deadline - time.monotonic(), 1))
-            wait_serving(self.router_address, max(deadline - time.monotonic(), 1))
+            # asked of the router actor, not over its port: that may want TLS and a key
+            while not ray.get(self._router.serving.remote(), timeout=max(deadline - time.monotonic(), 1)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the router at {self.router_address} did not report SERVING within "
+                                       f"{timeout_s:.0f}s")
+                time.sleep(0.1)
             self.metrics_url = ray.get(self._router.metrics_url.remote(), timeout=10)
             self.http_url = ray.get(self._router.http_url.remote(), timeout=10)
         except BaseException:
@@ -141,22 +146,3 @@ class Cluster:
                 pass
         self._pgs.clear()
         ray.shutdown()
-
-
-def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Inference"), timeout=2)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the router at {address} did not report SERVING within {timeout_s:.0f}s")
-            time.sleep(0.1)

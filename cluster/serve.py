@@ -5,10 +5,14 @@ process it started."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+
+API_KEYS_ENV = "PDCLUSTER_API_KEYS"  # as router.security's: read here, so the CLI imports no grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenAI-compatible HTTP API port on the router host (default 8000; 0 picks a free one; "
                              "-1 off)")
     parser.add_argument("--ready-file", help="write the router address here once SERVING")
+    sec = parser.add_argument_group("locks on the client-facing doors (gRPC, HTTP, /metrics)")
+    sec.add_argument("--api-key", action="append", default=None,
+                     help="require this key on every RPC and route (repeatable; also $PDCLUSTER_API_KEYS, "
+                          "comma-separated)")
+    sec.add_argument("--tls-cert", help="PEM certificate: serve over TLS (with --tls-key)")
+    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--open-health", action="store_true", help="with keys: answer grpc.health.v1 without one")
+    sec.add_argument("--open-metrics", action="store_true", help="with keys: serve /metrics without one")
+    sec.add_argument("--insecure", action="store_true",
+                     help="allow a non-loopback --host without TLS and an API key (only behind your own locks)")
 
 
 def load_config(args: argparse.Namespace):
@@ -59,6 +74,17 @@ def load_config(args: argparse.Namespace):
     metrics_port = getattr(args, "metrics_port", None)
     if metrics_port is not None:
         router["metrics_port"] = None if metrics_port < 0 else metrics_port
+    keys = list(getattr(args, "api_key", None) or [])
+    env_keys = os.environ.get(API_KEYS_ENV, "")
+    keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+    if keys:
+        router["api_keys"] = keys
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        if getattr(args, name, None):
+            router[name] = getattr(args, name)
+    for name in ("open_health", "open_metrics"):
+        if getattr(args, name, False):
+            router[name] = True
     http_port = getattr(args, "http_port", None)
     if http_port is not None:
         router["http_port"] = None if http_port < 0 else http_port
@@ -78,6 +104,21 @@ def load_config(args: argparse.Namespace):
     return ClusterConfig.model_validate({**cfg.model_dump(), **{k: dump(v) for k, v in updates.items()}})
 
 
+def check_exposure(cfg, insecure: bool) -> None:
+    """A router on a non-loopback address needs TLS and an API key, unless --insecure says so."""
+    r = cfg.router
+    try:
+        loopback = ipaddress.ip_address(r.host).is_loopback
+    except ValueError:
+        loopback = r.host == "localhost"
+    if loopback or insecure or (r.tls_cert and r.api_keys):
+        return
+    missing = [what for what, ok in (("TLS (--tls-cert/--tls-key)", r.tls_cert), ("an API key (--api-key)", r.api_keys))
+               if not ok]
+    raise ValueError(f"router.host {r.host!r} is reachable from other machines: serving it needs "
+                     f"{' and '.join(missing)}, or --insecure to serve it without")
+
+
 def config_errors(exc: Exception) -> str:
     """One line per problem, naming the field (pydantic's own text without its links)."""
     from pydantic import ValidationError
@@ -87,7 +128,9 @@ def config_errors(exc: Exception) -> str:
     lines = []
     for e in exc.errors():
         where = ".".join(str(x) for x in e["loc"]) or "config"
-        lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
+        value = e.get("input")
+        shown = "" if isinstance(value, (dict, list)) or "api_keys" in where else f" (got {value!r})"  # no secrets
+        lines.append(f"  {where}: {e['msg']}{shown}")
     return "\n".join(lines)
 
 
@@ -98,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args)
+        check_exposure(cfg, getattr(args, "insecure", False))
     except (ValidationError, ValueError, OSError) as exc:
         print(f"pdcluster serve: invalid configuration:\n{config_errors(exc)}", file=sys.stderr)
         return 2

@@ -7,15 +7,19 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="127.0.0.1:50051", help="router HOST:PORT")
+    from proto.client import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from proto.client import client_auth
     from proto.pdcluster.v1 import inference_pb2 as pb
     from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.address) as ch:
+    with client_auth(args).channel(args.address) as ch:
         try:
             st = pb_grpc.InferenceStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
         except grpc.RpcError as exc:

@@ -17,6 +17,7 @@ from engine.heap import heap_frozen
 from loadgen.metrics import RequestRecord
 from loadgen.workloads import Workload, WorkloadRequest
 from proto.pdcluster.v1 import inference_pb2 as pb
+from proto.client import ClientAuth
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
 
@@ -26,21 +27,22 @@ class Timeline:
     samples: list[tuple[float, int, int]] = field(default_factory=list)
 
 
-async def model_info(address: str, timeout_s: float = 10.0) -> pb.ModelInfoResponse:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def model_info(address: str, timeout_s: float = 10.0, auth: ClientAuth | None = None) -> pb.ModelInfoResponse:
+    async with (auth or ClientAuth()).aio_channel(address) as ch:
         return await pb_grpc.InferenceStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=timeout_s)
 
 
-async def decode_worker_ids(address: str, timeout_s: float = 10.0) -> list[str]:
+async def decode_worker_ids(address: str, timeout_s: float = 10.0, auth: ClientAuth | None = None) -> list[str]:
     """Ids of the cluster's decode and colocated workers (what GenerateRequest.decode_worker takes)."""
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with (auth or ClientAuth()).aio_channel(address) as ch:
         st = await pb_grpc.InferenceStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout_s)
     return [w.worker_id for w in st.workers if w.role in ("decode", "colocated")]
 
 
 async def run_benchmark(address: str, workload: Workload, *, max_concurrency: int | None = None,
                         progress: bool = True, timeout_s: float = 600.0,
-                        run_tag: str = "bench") -> tuple[list[RequestRecord], float, Timeline]:
+                        run_tag: str = "bench", auth: ClientAuth | None = None
+                        ) -> tuple[list[RequestRecord], float, Timeline]:
     """Run the workload; prompt_token_ids must be materialized. Returns records (in workload
     order), the run's duration (first send to last finish) and the queue-depth timeline."""
     if max_concurrency is not None and max_concurrency < 1:
@@ -77,7 +79,7 @@ async def run_benchmark(address: str, workload: Workload, *, max_concurrency: in
     # driver) would delay every stream's next chunk at once: an ITL stall the client made
     with heap_frozen():
         t0 = time.perf_counter()  # after the freeze's collection, which takes a while
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with (auth or ClientAuth()).aio_channel(address) as ch:
             stub = pb_grpc.InferenceStub(ch)
             records = await asyncio.gather(*(one(stub, r) for r in workload.requests))
     bar.close()

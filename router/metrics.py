@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -107,18 +107,18 @@ class RouterMetrics:
         if views is not None:
             r.register(WorkerCollector(views))
         r.register(GcCollector(views))
-        self._http = None
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0 picks a free port); returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+    def asgi_app(self):
+        """An ASGI app serving the Prometheus text at GET /metrics (router.server serves it, with
+        the router's TLS and keys)."""
+        from starlette.applications import Starlette
+        from starlette.responses import Response
+        from starlette.routing import Route
 
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        async def metrics(request):
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
 
 
 def log_request(fields: dict) -> None:

@@ -401,15 +401,17 @@ class _Shape:
 # ---- the server -----------------------------------------------------------------------------
 class HttpServer:
     """uvicorn serving an ASGI app on the running event loop (the router's), on host:port
-    (0: a free port)."""
+    (0: a free port), over TLS with a `router.security.Tls`."""
 
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, tls=None) -> None:
         import uvicorn
 
         self.host, self.requested_port = host, port
         self.port: int | None = None
+        self.scheme = "https" if tls is not None else "http"
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5,
+                                **(tls.uvicorn_options() if tls is not None else {}))
 
         class _Server(uvicorn.Server):
             @contextlib.contextmanager
@@ -435,7 +437,7 @@ class HttpServer:
                 self._task.result()
                 raise RuntimeError("the HTTP API stopped while starting")
             await asyncio.sleep(0.01)
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     async def stop(self) -> None:
         if self._task is not None:

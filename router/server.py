@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.dispatch import WARM_UP_PROMPT
+from router.security import Access, Tls
 from router.service import InferenceService
 from router.wire import safe_deserializer
 
@@ -27,7 +28,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
                  *, load_refresh_s: float = 0.1, load_timeout_s: float = 2.0, max_message_bytes: int = 16 << 20,
-                 warm_up: bool = False, metrics_port: int | None = None, http_port: int | None = None) -> None:
+                 warm_up: bool = False, metrics_port: int | None = None, http_port: int | None = None,
+                 access: Access | None = None, tls: Tls | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
@@ -38,6 +40,9 @@ class RouterServer:
         self.warm_up = warm_up
         self.metrics_port = metrics_port  # None: no /metrics endpoint; 0: a free port
         self.metrics_url = ""
+        self.access = access or Access()  # API keys on every RPC and route (router.security)
+        self.tls = tls                    # None: plaintext
+        self._metrics_http = None
         self.http_port = http_port  # None: no OpenAI-compatible HTTP API; 0: a free port
         self.http_url = ""
         self._http = None
@@ -53,12 +58,15 @@ class RouterServer:
     async def start(self) -> str:
         opts = [("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", max(self.max_message_bytes, 16 << 20)), ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=opts)
+        server = grpc.aio.server(options=opts, interceptors=[self.access.grpc_interceptor()] if self.access.enabled
+                                 else None)
         _add_inference_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        where = f"{self.host}:{self.requested_port}"
+        self.port = (server.add_secure_port(where, self.tls.grpc_credentials()) if self.tls is not None
+                     else server.add_insecure_port(where))
         if not self.port:
             raise RuntimeError(f"could not bind the router to {self.host}:{self.requested_port}")
         await self.service.dispatcher.refresh_loads()
@@ -69,20 +77,31 @@ class RouterServer:
         self._server = server
         self.service.on_draining = self._update_health
         if self.metrics_port is not None:
-            port = self.service.metrics.serve(self.host, self.metrics_port)
-            self.metrics_url = f"http://{self.host}:{port}/metrics"
+            from router.openai_http import HttpServer
+
+            app = self.service.metrics.asgi_app()
+            if not self.access.open_metrics:
+                app = self.access.asgi(app)
+            self._metrics_http = HttpServer(app, self.host, self.metrics_port, self.tls)
+            self.metrics_url = await self._metrics_http.start() + "/metrics"
             log.info("router metrics on %s", self.metrics_url)
         if self.http_port is not None:
             from router.openai_http import HttpServer, OpenAIApi
 
             api = OpenAIApi(self.service, self.service.model_id, self.service.frontend.tokenizer)
-            self._http = HttpServer(api.app, self.host, self.http_port)
+            app = self.access.asgi(api.app) if self.access.enabled else api.app
+            self._http = HttpServer(app, self.host, self.http_port, self.tls)
             self.http_url = await self._http.start()
             log.info("router OpenAI-compatible API on %s/v1", self.http_url)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
         await self._update_health()
         log.info("router serving %s on %s", SERVICE_NAME, self.address)
         return self.address
+
+    @property
+    def health_status(self) -> str:
+        """The status grpc.health.v1 reports now: SERVING, NOT_SERVING, or "" before start-up."""
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(self._health_status) if self._health_status else ""
 
     def missing_role(self) -> str | None:
         """Why the cluster cannot serve now (a role it needs has no healthy worker), or None."""
@@ -127,7 +146,9 @@ class RouterServer:
             await self._http.stop()
             self._http = None
         await self.service.dispatcher.drain_cleanup()
-        self.service.metrics.close()
+        if self._metrics_http is not None:
+            await self._metrics_http.stop()
+            self._metrics_http = None
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -29,3 +29,22 @@ def test_an_invalid_flag_is_refused_naming_the_field(capsys):
     assert "pools.0.engine.page_size" in err and "greater than or equal to 1" in err and "Traceback" not in err
     assert main(["serve", "--model", "tiny", "--migration-limit", "99"]) == 2
     assert "router.migration_limit" in capsys.readouterr().err
+
+
+def test_a_router_reachable_from_other_machines_needs_tls_and_a_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PDCLUSTER_API_KEYS", raising=False)
+    assert main(["serve", "--model", "tiny", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "TLS (--tls-cert/--tls-key) and an API key (--api-key)" in err and "--insecure" in err
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    for argv in (["--insecure"], ["--tls-cert", str(cert), "--tls-key", str(key), "--api-key", "k-123"]):
+        cfg = serve.load_config(parse("--host", "0.0.0.0", *argv))
+        serve.check_exposure(cfg, "--insecure" in argv)  # allowed
+    monkeypatch.setenv("PDCLUSTER_API_KEYS", "env-key-1, env-key-2")
+    cfg = serve.load_config(parse("--api-key", "cli-key"))
+    assert cfg.router.api_keys == ["cli-key", "env-key-1", "env-key-2"]
+    assert "cli-key" not in repr(cfg.router)  # keys stay out of logs and reprs
+    assert main(["serve", "--model", "tiny", "--tls-cert", str(cert)]) == 2
+    assert "tls_cert and router.tls_key go together" in capsys.readouterr().err
