@@ -62,8 +62,7 @@ class RouterServer:
                                  else None)
         _add_inference_service(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        _add_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
         where = f"{self.host}:{self.requested_port}"
         self.port = (server.add_secure_port(where, self.tls.grpc_credentials()) if self.tls is not None
                      else server.add_insecure_port(where))
@@ -154,6 +153,24 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
             self._refresher = None
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection(service_names: tuple[str, ...], server: grpc.aio.Server) -> None:
+    """Server reflection, v1 (what current grpcurl asks first) and v1alpha. grpcio-reflection
+    implements v1alpha only; v1's messages are the same on the wire (same fields and numbers,
+    another package name), so one servicer answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.aio.ReflectionServicer(names)
+    for service in (reflection.SERVICE_NAME, REFLECTION_V1):
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo, request_deserializer=rpb.ServerReflectionRequest.FromString,
+                response_serializer=rpb.ServerReflectionResponse.SerializeToString)}),))
 
 
 def _add_inference_service(service: InferenceService, server: grpc.aio.Server) -> None:

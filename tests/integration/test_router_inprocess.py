@@ -248,6 +248,13 @@ def test_health_serving_and_reflection_lists_service(router):
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {svc.name for svc in resp.list_services_response.service}
     assert "pdcluster.v1.Inference" in names and "grpc.health.v1.Health" in names
+    assert "grpc.reflection.v1.ServerReflection" in names
+    # v1 (current grpcurl asks it first): the same messages on the wire under another service name
+    v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                          request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                          response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    resp = next(v1(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="pdcluster.v1.Inference")])))
+    assert resp.file_descriptor_response.file_descriptor_proto  # the .proto, for tools without the file
 
 
 def test_first_token_is_sent_from_the_prefill_result(router, make_llm):

@@ -81,6 +81,7 @@ def every_rpc():
                  reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]):
         for m in desc.methods:
             out.append((f"/{desc.full_name}/{m.name}", m.client_streaming, m.server_streaming))
+    out.append(("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", True, True))
     return out
 
 
