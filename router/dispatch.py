@@ -200,7 +200,7 @@ class Dispatcher:
                 self._warming[wid] = task
                 task.add_done_callback(lambda t, wid=wid: self._warming.pop(wid, None))
             return
-        if not view.healthy:
+        if not view.healthy or view.state != "serving":  # first answer ("starting"), or back after silence
             self._serving(view)
         view.error = ""
 
