@@ -15,8 +15,8 @@ class TransferConfig:
     begin_timeout_s: float = 300.0          # receiver: published pages wait this long for a sender to begin
                                             # (the sender may be queued behind other prefills)
     handshake_timeout_s: float = 5.0        # connect + handshake + begin, per peer
-    chunk_bytes: int = 1 << 20              # grpc: payload of one chunk
-    max_inflight_chunks: int = 8            # grpc: unacknowledged chunks per stream
+    chunk_bytes: int = 2 << 20              # grpc: payload of one chunk (one gRPC message)
+    max_inflight_chunks: int = 4            # grpc: unacknowledged chunks per stream
     grpc_max_message_bytes: int = 64 << 20  # grpc: both directions, set explicitly on channel and server
     grpc_streams: int = 1                   # grpc: parallel Push streams (own TCP connections) per destination
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
@@ -32,7 +32,8 @@ class TransferConfig:
     liveness_interval_s: float = 0.25       # nixl: probe peers of requests in flight this often (0 = off)
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
         default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
-    server_threads: int = 8
+    server_threads: int = 8                 # nixl: threads of its control service (unary calls only); the
+                                            # grpc receiver's service is asyncio and holds no thread per call
     # UCX opens its own listeners; "lo" keeps them on loopback (UCX reads only its environment,
     # so this is applied to UCX_NET_DEVICES before the first agent starts, unless already set).
     ucx_net_devices: str = "lo"

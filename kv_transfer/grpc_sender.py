@@ -7,9 +7,9 @@ memory is therefore bounded by `max_inflight_chunks x chunk_bytes` per stream pl
 flow-control window.
 
 Hot path, per chunk: one gather of the run's pages straight into the encoded PushItem
-(identical layouts send whole pages, no token re-layout; wire.encode_chunk_into: the header
-encoded by protobuf, the payload field written after it, no copy through a message object
-or a staging buffer). Data lanes (`grpc_streams` > 1) stripe layers over streams of their
+(identical layouts send whole pages, no token re-layout; wire.encode_chunk_into: the payload
+field first, then the header encoded by protobuf, no copy through a message object or a
+staging buffer). Data lanes (`grpc_streams` > 1) stripe layers over streams of their
 own connections; on a 2-core machine they do not help (docs/benchmarks.md). Python gRPC
 waits for each message's send and each ack's send to finish, so acking every chunk
 serializes the two sides: chunks go out with `defer_ack` and only every

@@ -1,9 +1,22 @@
 """The receiver's gRPC service (handshake, begin, chunk stream, cancel) and the sender's
 side of it (PeerChannel). Both bind/connect to explicit hosts (127.0.0.1 by default) and
-set gRPC's message size limits explicitly."""
+set gRPC's message size limits explicitly.
+
+Two servers: `serve` (a sync grpc.server on `server_threads` threads) for control-only
+receivers (nixl: unary calls that return at once), and `AsyncService` (grpc.aio) for the
+grpc transport's receiver. A sync server runs each call on a thread of its pool until the
+call ends, and a Push stream lasts from its sender's start() to its final notice: with as
+many streams open as threads, every further call (Begin included) queued until its deadline,
+while the streams holding the threads waited for layers that the waiting Begin's caller
+(the prefill engine, which starts every transfer of a step before computing any layer) was
+to send. The aio service holds no thread per call: all its calls are coroutines on one
+event loop, so how many streams are open does not bound what else is served.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -62,6 +75,120 @@ def serve(receiver: ServedReceiver, config: TransferConfig) -> tuple[grpc.Server
         raise OSError(f"could not bind the KV transfer service to {config.host}:{config.port}")
     server.start()
     return server, port
+
+
+class PushStream(Protocol):
+    """One Push stream's state on the receiver: `item` handles a decoded item and returns the
+    Ack to send (None: none, the item's ack is deferred); `end` runs once when the stream ends,
+    `clean` when its sender half-closed it after every item was accepted."""
+    def item(self, frame: PushFrame) -> pb.Ack | None: ...
+    def end(self, clean: bool) -> None: ...
+
+
+class StreamedReceiver(Protocol):
+    """A receiver served by AsyncService. Its handlers run on the service's event loop, so
+    they must never wait on the network or on another call (ledger locks only)."""
+    def handle_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
+    def handle_begin(self, request: pb.BeginTransfer) -> pb.Ack: ...
+    def handle_cancel(self, request: pb.Abort) -> pb.Ack: ...
+    def open_push(self) -> PushStream: ...
+
+
+def _async_handlers(receiver: StreamedReceiver) -> grpc.GenericRpcHandler:
+    def unary(fn, request_type):
+        async def call(request, context):
+            return fn(request)
+        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+                                                   response_serializer=_serialize)
+
+    async def push(frames, context: grpc.aio.ServicerContext) -> None:
+        # reader/writer API rather than an async generator: a cancellation (the sender cancelled,
+        # the stream broke, the server stops) lands in this coroutine whether it awaits a read or
+        # a write, so `end` runs at once, never later from the generator's finalizer
+        stream = receiver.open_push()
+        clean = False
+        try:
+            while (frame := await context.read()) is not grpc.aio.EOF:
+                ack = stream.item(frame)
+                if ack is None:
+                    continue
+                await context.write(ack)
+                if not ack.ok:
+                    return
+            clean = True
+        finally:
+            stream.end(clean)
+
+    return grpc.method_handlers_generic_handler("pdcluster.v1.KVTransfer", {
+        "Handshake": unary(receiver.handle_handshake, pb.HandshakeRequest),
+        "Begin": unary(receiver.handle_begin, pb.BeginTransfer),
+        "Cancel": unary(receiver.handle_cancel, pb.Abort),
+        "Push": grpc.stream_stream_rpc_method_handler(push, request_deserializer=decode_push,
+                                                      response_serializer=_serialize),
+    })
+
+
+class _ServiceLoop:
+    """The process's one event loop for KV services, on a daemon thread started on first use
+    and kept for the process's life: grpc.aio binds its completion queue's poller to the loops
+    it runs on, so one long-lived loop, rather than one per receiver, keeps it bound to one."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _pid = 0
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():  # a forked child has no loop thread
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._run, args=(loop,), name="kv-service-loop", daemon=True).start()
+                cls._loop, cls._pid = loop, os.getpid()
+            return cls._loop
+
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+    @staticmethod
+    def running_here(loop: asyncio.AbstractEventLoop) -> bool:
+        try:
+            return asyncio.get_running_loop() is loop
+        except RuntimeError:
+            return False
+
+
+class AsyncService:
+    """KVTransfer served by grpc.aio on the process's KV service loop; `port` is bound."""
+
+    def __init__(self, receiver: StreamedReceiver, config: TransferConfig) -> None:
+        self._loop = _ServiceLoop.get()
+        self._server, self.port = self._run(self._start(receiver, config), timeout=30)
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @staticmethod
+    async def _start(receiver: StreamedReceiver, config: TransferConfig):
+        server = grpc.aio.server(options=_options(config))
+        server.add_generic_rpc_handlers([_async_handlers(receiver)])
+        try:
+            port = server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"could not bind the KV transfer service to {config.host}:{config.port}")
+        await server.start()
+        return server, port
+
+    def stop(self, grace: float) -> None:
+        """Stop serving: calls still open after `grace` seconds are cancelled (their streams' `end`).
+        Called from a handler (on the loop itself), it starts the stop without waiting for it."""
+        if _ServiceLoop.running_here(self._loop):
+            self._loop.create_task(self._server.stop(grace))
+            return
+        self._run(self._server.stop(grace), timeout=grace + 5)
 
 
 class PeerChannel:
