@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.heap import freeze_startup_heap, gc_pauses
@@ -28,6 +28,7 @@ class WorkerSpec:
     deadline_s: float
     local: bool = True        # bind loopback (a local cluster) or the node's address
     begin_timeout_s: float = 300.0
+    kv_secret: str = field(default="", repr=False)  # the cluster's KV-plane credential (TransferConfig.secret)
 
     @property
     def node(self) -> str:
@@ -41,7 +42,7 @@ class WorkerSpec:
 
         torch.set_num_threads(1)  # one intra-op thread per worker process (engine/loop.py)
         cfg = TransferConfig(host=_bind_host(self.local), deadline_s=self.deadline_s,
-                             begin_timeout_s=self.begin_timeout_s)
+                             begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret)
         engine = self.engine.engine_kwargs()
         if self.role == "prefill":
             from prefill_worker.worker import PrefillWorker

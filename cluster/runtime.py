@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,9 @@ class Cluster:
     _router: object = None
     _pgs: list = field(default_factory=list)
     _started_ray: bool = False
+    # every worker's KV transfer service wants this credential (kv_transfer.config.TransferConfig.secret):
+    # made here, per cluster, and handed to the workers through Ray, never written anywhere
+    _kv_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def start(self, timeout_s: float = 300.0) -> str:
         if self.address is None:
@@ -107,7 +111,8 @@ class Cluster:
                     max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}", max_restarts=pool.max_restarts)
         wid = f"{pool.name}-{index}"
         t = self.config.transport
-        spec = WorkerSpec(pool.role, self.config.model, pool.engine, t.kind, t.deadline_s, local, t.begin_timeout_s)
+        spec = WorkerSpec(pool.role, self.config.model, pool.engine, t.kind, t.deadline_s, local, t.begin_timeout_s,
+                          self._kv_secret)
         actor = ray.remote(AsyncWorker).options(**opts).remote(spec, wid, True)  # exit on a dead loop: Ray restarts
         return WorkerRecord(wid, pool.name, pool.role, actor)
 

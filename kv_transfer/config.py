@@ -9,6 +9,10 @@ DEFAULT_HOST = "127.0.0.1"
 @dataclass(slots=True, frozen=True)
 class TransferConfig:
     host: str = DEFAULT_HOST                # the receiver's service binds here
+    # The cluster's KV-plane credential: when set, every KVTransfer RPC (Handshake, Begin, Push,
+    # Cancel) must carry it, or gets UNAUTHENTICATED with nothing done (cluster.runtime makes one
+    # per cluster and hands it to its workers). Empty: an open service (tests, library use).
+    secret: str = field(default="", repr=False)
     port: int = 0                           # 0 = pick a free port
     deadline_s: float = 30.0                # whole transfer of one request: sender from start(), receiver
                                             # from the first sender's begin

@@ -15,6 +15,7 @@ event loop, so how many streams are open does not bound what else is served.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ import grpc
 from kv_transfer.config import TransferConfig
 from kv_transfer.handshake import HandshakeError
 from kv_transfer.wire import PushFrame, decode_push
+from proto.client import with_metadata
 from proto.pdcluster.v1 import kv_transfer_pb2 as pb
 from proto.pdcluster.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -66,9 +68,68 @@ def _options(config: TransferConfig) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0)]
 
 
+# ---- the KV plane's credential (TransferConfig.secret) ------------------------------------------
+NO_CREDENTIAL = "the KV transfer service needs the cluster's credential"
+
+
+def _credential(config: TransferConfig) -> tuple[tuple[str, str], ...]:
+    """What a caller sends: the cluster's secret as a bearer token."""
+    return (("authorization", f"Bearer {config.secret}"),) if config.secret else ()
+
+
+def _authorized(config: TransferConfig, metadata) -> bool:
+    want = f"Bearer {config.secret}".encode()
+    got = next((v for k, v in metadata or () if k == "authorization"), "")
+    return hmac.compare_digest(got.encode() if isinstance(got, str) else got, want)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, asynchronous: bool) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that answers UNAUTHENTICATED, returns nothing and never
+    parses the request (no deserializer)."""
+    if asynchronous:
+        async def unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_CREDENTIAL)
+
+        async def stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_CREDENTIAL)
+    else:
+        def unary(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_CREDENTIAL)
+
+        def stream(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_CREDENTIAL)
+            yield
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class _SyncCredentialCheck(grpc.ServerInterceptor):
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or _authorized(self.config, details.invocation_metadata):
+            return handler
+        return _refusal(handler, asynchronous=False)
+
+
+class _AsyncCredentialCheck(grpc.aio.ServerInterceptor):
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or _authorized(self.config, details.invocation_metadata):
+            return handler
+        return _refusal(handler, asynchronous=True)
+
+
 def serve(receiver: ServedReceiver, config: TransferConfig) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.server_threads,
-                                                    thread_name_prefix="kv-recv"), options=_options(config))
+                                                    thread_name_prefix="kv-recv"), options=_options(config),
+                         interceptors=[_SyncCredentialCheck(config)] if config.secret else None)
     server.add_generic_rpc_handlers([_handlers(receiver)])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
@@ -171,7 +232,8 @@ class AsyncService:
 
     @staticmethod
     async def _start(receiver: StreamedReceiver, config: TransferConfig):
-        server = grpc.aio.server(options=_options(config))
+        server = grpc.aio.server(options=_options(config),
+                                 interceptors=[_AsyncCredentialCheck(config)] if config.secret else None)
         server.add_generic_rpc_handlers([_async_handlers(receiver)])
         try:
             port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -197,7 +259,7 @@ class PeerChannel:
     def __init__(self, endpoint: str, config: TransferConfig) -> None:
         self.endpoint = endpoint
         self.config = config
-        self.channel = grpc.insecure_channel(endpoint, options=_options(config))
+        self.channel = with_metadata(grpc.insecure_channel(endpoint, options=_options(config)), _credential(config))
         self.stub = pb_grpc.KVTransferStub(self.channel)
         self._data_channels: list[grpc.Channel] = []
         self._pushes: list = []
@@ -211,7 +273,7 @@ class PeerChannel:
         with self.lock:
             while len(self._pushes) <= lane:
                 opts = [*_options(self.config), ("grpc.use_local_subchannel_pool", 1)]
-                channel = grpc.insecure_channel(self.endpoint, options=opts)
+                channel = with_metadata(grpc.insecure_channel(self.endpoint, options=opts), _credential(self.config))
                 self._data_channels.append(channel)
                 self._pushes.append(channel.stream_stream("/pdcluster.v1.KVTransfer/Push", request_serializer=None,
                                                           response_deserializer=pb.Ack.FromString))

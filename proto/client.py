@@ -38,7 +38,7 @@ class ClientAuth:
         creds = self._credentials()
         ch = (grpc.secure_channel(address, creds, options=options) if creds is not None
               else grpc.insecure_channel(address, options=options))
-        return grpc.intercept_channel(ch, _Metadata(self.metadata)) if self.metadata else ch
+        return with_metadata(ch, self.metadata)
 
     def aio_channel(self, address: str, options=None) -> grpc.aio.Channel:
         creds = self._credentials()
@@ -46,6 +46,11 @@ class ClientAuth:
         if creds is not None:
             return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+def with_metadata(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> grpc.Channel:
+    """`channel`, sending `metadata` with every call."""
+    return grpc.intercept_channel(channel, _Metadata(metadata)) if metadata else channel
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:

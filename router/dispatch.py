@@ -18,14 +18,14 @@ healthy, and only an error from the call (its process or actor is gone) or silen
 requests with UNAVAILABLE "no healthy prefill worker" while the only prefill worker was busy.)
 
 A prefill worker that fails before the first token (error result or a dead worker) gets the
-request retried on another one, under a new worker-side id (`RID~N`) and fresh decode pages:
+request retried on another one, under a new worker-side id (`RID.TAG~N`) and fresh decode pages:
 the failed attempt is cancelled on both sides first. Whatever ends the stream early (client
 cancel, deadline, router shutdown) cancels the request on both workers, so their pages come
 back.
 
 Migration: a decode worker lost while it holds a request (its process, actor or engine loop
 gone: at admission, while its KV arrives, or mid-stream) does not end the stream. The request
-is placed again, as `RID@N`, with an `engine.outputs.Resume` carrying the tokens the client
+is placed again, as `RID.TAG@N`, with an `engine.outputs.Resume` carrying the tokens the client
 already has: the new decode worker's KV for the prompt plus those tokens is prefilled by the
 prefill pool or locally, as placement decides, and it samples on from there. Draws depend only
 on (seed, position) (engine.sampler), and the router fixes a seed for every sampled request
@@ -364,7 +364,8 @@ class Dispatcher:
     async def _place(self, req: PreparedRequest, stats: RequestStats, live: _Live, resume: Resume | None = None,
                      migration: int = 0) -> None:
         tried: set[str] = set()
-        base = req.request_id if not migration else f"{req.request_id}@{migration}"
+        # worker-side ids are the router's own, unguessable: the client's id plus a random tag
+        base = f"{req.request_id}.{secrets.token_hex(8)}" + (f"@{migration}" if migration else "")
         prompt = req.prompt_token_ids if resume is None else req.prompt_token_ids + list(resume.output_token_ids)
         retry = 0
         while True:
