@@ -15,6 +15,8 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
     (None, "drain"): ("cluster.drain", "take a running router out of service: running requests finish, new ones are refused"),
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
+    ("model", "import-gguf"): ("engine.gguf_import", "a GGUF file into an HF checkpoint folder (float safetensors)"),
+    ("model", "fetch"): ("cluster.model_fetch", "download a real trained model (smollm2) into the cache"),
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: the compiled CPU attention kernel vs the torch backend"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
@@ -27,7 +29,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("plan", "search"): ("planning.search_cli", "search pool configurations under SLOs and a hardware budget"),
     ("plan", "validate"): ("planning.validate_cli", "profile, simulate, run the real cluster, compare"),
 }
-_GROUPS = {"model": "built-in models", "plan": "capacity planning: profile, simulate, search, validate",
+_GROUPS = {"model": "models: built-in, imported from GGUF, fetched", "plan": "capacity planning: profile, simulate, search, validate",
            "bench": "benchmarks (not tests): ratios against same-run baselines"}
 
 

