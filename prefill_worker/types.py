@@ -35,6 +35,7 @@ class PrefillResult:
     ok: bool = True
     error: str | None = None
     first_logprobs: TokenLogprobs | None = None
+    first_text: str = ""  # what the decode side's detokenizer emits for the first token
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ class PrefillWorker:
                                            send=True, transport_kwargs=transport_kwargs)
         self.core = EngineCore(model, kv_connector=self.connector, **engine_kwargs)
         self.num_prefilled = 0
+        self._stops: dict[str, list[str]] = {}  # each request's stop strings: the first token's text honours them
 
     # ---- intake ---------------------------------------------------------------------------
     def submit(self, task: PrefillTask) -> None:
@@ -46,6 +47,7 @@ class PrefillWorker:
                  for d in task.destinations]
         first_token_only = dataclasses.replace(task.params, max_tokens=1, stop=[])
         self.core.add(self.core.make_request(task.prompt_token_ids, first_token_only, task.request_id, dests))
+        self._stops[task.request_id] = list(task.params.stop)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a prefill at any stage: dequeue it, or fail its transfer (pages come back when
@@ -76,9 +78,22 @@ class PrefillWorker:
         if ok:
             self.num_prefilled += 1
         error = None if ok else ("cancelled" if out.finish_reason == "abort" else out.error or "prefill failed")
-        return PrefillResult(out.request_id, out.token_ids[0] if out.token_ids else None, len(out.prompt_token_ids),
+        first = out.token_ids[0] if out.token_ids else None
+        stops = self._stops.pop(out.request_id, [])
+        return PrefillResult(out.request_id, first, len(out.prompt_token_ids),
                              out.num_cached_tokens, ttft_s=out.metrics.ttft if out.metrics else None, ok=ok,
-                             error=error, first_logprobs=out.logprobs[0] if out.logprobs else None)
+                             error=error, first_logprobs=out.logprobs[0] if out.logprobs else None,
+                             first_text=self._first_text(out.prompt_token_ids, first, stops) if ok else "")
+
+    def _first_text(self, prompt: list[int], token: int | None, stop: list[str]) -> str:
+        """The text the decode side's detokenizer emits for the first token (the same
+        incremental detokenizer, prompt and stop strings: nothing held back differs), so the
+        router can send it with the token."""
+        if token is None or self.core.tokenizer is None:
+            return ""
+        from engine.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.core.tokenizer, prompt, stop=stop).add_token(token)
 
     def load(self) -> WorkerLoad:
         return self.core.load()

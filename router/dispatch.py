@@ -6,9 +6,9 @@
     (minus its copy of that first token) until finished.
 
 The first token goes out as soon as the prefill result arrives, so TTFT does not include the
-KV transfer. Its text comes with the decode worker's copy of it: the decode worker owns the
-incremental detokenizer (stop strings included), so the text stays exactly what a colocated
-run produces; only the ids are sent ahead.
+KV transfer, with its text: the prefill worker runs the decode side's incremental detokenizer
+(same prompt, same stop strings) on it, and the router drops that text from the decode worker's
+copy, so the text stays exactly what a colocated run produces.
 
 Health: a worker's load is answered between its engine steps, so a worker in a long step
 (a 2,048-token prefill chunk takes seconds on a CPU) answers late. Late is not dead: one load
@@ -96,6 +96,7 @@ class _Live:
     done: bool = False
     first_token: int | None = None  # from the prefill result, sent ahead of the decode stream
     first_logprobs: object | None = None  # its engine.sampler.TokenLogprobs, when asked
+    first_text: str = ""  # its text, as the decode side's detokenizer will emit it
     views: list[WorkerView] = field(default_factory=list)
     local_tokens: tuple[WorkerView, int] | None = None  # a colocated prefill not yet sampled: its prompt
 
@@ -311,11 +312,11 @@ class Dispatcher:
         live = _Live()
         try:
             await self._place(req, stats, live, resume, migration)
-            ahead = 0  # ids sent before the decode stream reported them
+            ahead, ahead_text = 0, ""  # ids (and their text) sent before the decode stream reported them
             if live.first_token is not None:
-                ahead = 1
+                ahead, ahead_text = 1, live.first_text
                 stats.completion_tokens += 1
-                yield Chunk([live.first_token], "", _logprobs(req, [live.first_logprobs]))
+                yield Chunk([live.first_token], ahead_text, _logprobs(req, [live.first_logprobs]))
             async for out in self._decode_stream(live):
                 ids = list(out.new_token_ids)
                 if ids or out.new_text:
@@ -327,13 +328,21 @@ class Dispatcher:
                                 stats.first_token = stats.first_output
                                 stats.cached_prompt_tokens = out.num_cached_tokens
                     # The decode side's copy of the first token (source PREFILL_WORKER, or the
-                    # re-sampled one after a REPREFILL) was already sent: keep only its text.
+                    # re-sampled one after a REPREFILL) was already sent, with its text.
                     drop = min(ahead, len(ids))
                     ids, ahead = ids[drop:], ahead - drop
+                    text = out.new_text
+                    if ahead_text and drop:
+                        if text.startswith(ahead_text):
+                            text = text[len(ahead_text):]
+                        else:  # never expected: the same detokenizer on the same tokens
+                            log.warning("%s: first token's text %r differs from the decode side's %r",
+                                        live.worker_rid, ahead_text, text)
+                        ahead_text = ""
                     lps = out.new_logprobs[drop:] if out.new_logprobs is not None else None
                     stats.completion_tokens += len(ids)
-                    if ids or out.new_text:
-                        yield Chunk(ids, out.new_text, _logprobs(req, lps))
+                    if ids or text:
+                        yield Chunk(ids, text, _logprobs(req, lps))
                 if out.finished:
                     live.done = True
                     if out.finish_reason in ("error", "abort"):
@@ -439,6 +448,7 @@ class Dispatcher:
                     stats.cached_prompt_tokens = result.num_cached_tokens
                 live.first_token = result.first_token
                 live.first_logprobs = result.first_logprobs
+                live.first_text = result.first_text if resume is None else ""  # resumed: its context differs
                 return
             log.warning("prefill of %s failed on %s (attempt %d): %s", rid, pview.worker_id, retry, result.error)
             decode_answered = await self._abort(decode, prefill, rid)

@@ -167,7 +167,7 @@ def test_strings_that_are_not_utf8_are_invalid_argument_naming_the_field(router)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details(), err.details()
     err = raw_generate(router["main"], b"\xff\xff\xff")
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid pdcluster.v1.GenerateRequest" in err.details()
-    ids, _, last = collect(stub(router["main"]), pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=3)))
+    ids, _, last = collect(stub(router["main"]), pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=S(max_tokens=3, ignore_eos=True)))
     assert len(ids) == 3 and last.finish_reason == "length"
 
 
@@ -265,6 +265,11 @@ def test_first_token_is_sent_from_the_prefill_result(router, make_llm):
                                                                                     ignore_eos=True)), timeout=60))
     t = chunks[-1].timings
     assert len(chunks[0].token_ids) == 1
+    # the first chunk carries its token's text too, and the text adds up to the colocated run's
+    colocated = make_llm(router["model"], page_size=16, num_pages=128).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert chunks[0].text and colocated.text.startswith(chunks[0].text)
+    assert "".join(c.text for c in chunks) == colocated.text
     assert t.transfer_s > 0 and t.ttft_s + t.transfer_s <= t.e2e_s
     assert t.ttft_s <= t.queue_s + t.prefill_s + 0.25  # admission only; no transfer inside TTFT
     # a first token that ends the request: one token, exactly one final chunk
