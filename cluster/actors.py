@@ -42,7 +42,8 @@ class WorkerSpec:
 
         torch.set_num_threads(1)  # one intra-op thread per worker process (engine/loop.py)
         cfg = TransferConfig(host=_bind_host(self.local), deadline_s=self.deadline_s,
-                             begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret)
+                             begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret,
+                             ucx_net_devices=_ucx_net_devices(self.local))
         engine = self.engine.engine_kwargs()
         if self.role == "prefill":
             from prefill_worker.worker import PrefillWorker
@@ -67,6 +68,37 @@ def _node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _ucx_net_devices(local: bool) -> str:
+    """UCX's devices for NIXL: loopback in a local cluster; on a node of a real cluster the
+    interface that holds the node's address (where the other nodes reach it), or "" (UCX picks)
+    when none does. UCX_NET_DEVICES set in the worker's environment wins over both."""
+    if local:
+        return "lo"
+    return _interface_of(_node_address())
+
+
+def _interface_of(ip: str) -> str:
+    """The network interface holding the IPv4 address `ip`, or "" (Linux: SIOCGIFADDR per interface)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return ""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if addr == ip:
+                return name
+    return ""
 
 
 class RayActor:

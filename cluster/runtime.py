@@ -67,7 +67,11 @@ class Cluster:
                      runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
             self._started_ray = True
         else:
-            ray.init(address=self.address, log_to_driver=False)
+            # Joining a cluster: no UCX_NET_DEVICES=lo here (workers pick their node's interface,
+            # cluster.actors), but UCX settings given to the driver (UCX_TLS=tcp, ...) reach the workers.
+            env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+            env.setdefault("OMP_NUM_THREADS", "1")
+            ray.init(address=self.address, log_to_driver=False, runtime_env={"env_vars": env})
         local = self.address is None
         deadline = time.monotonic() + timeout_s
         try:
