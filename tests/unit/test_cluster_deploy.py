@@ -20,11 +20,19 @@ def test_cluster_yaml_validates():
     assert cfg.hash_page_size == roles["prefill"].engine.page_size
 
 
-def test_ray_launcher_has_prefill_and_decode_node_types():
+def test_ray_launcher_yaml_is_valid_for_ray_and_has_prefill_and_decode_node_types():
+    import json
+
+    import jsonschema
+    import ray.autoscaler
+
     doc = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(doc, schema)  # what `ray up` checks first
     types = doc["available_node_types"]
     assert {"prefill", "decode"} <= set(types) and doc["head_node_type"] in types
-    cfg = ClusterConfig.from_yaml(DEPLOY / doc["pdcluster"]["config_file"])
+    mounted = doc["file_mounts"]["/home/ray/cluster.yaml"]  # the pdcluster config the head serves
+    cfg = ClusterConfig.from_yaml(DEPLOY.parent / mounted)
     for pool in cfg.pools:  # each pool's custom resource exists on some node type
         for res in pool.resources.custom:
             assert any(res in t["resources"] for t in types.values()), res
