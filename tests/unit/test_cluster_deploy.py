@@ -48,6 +48,27 @@ def test_kuberay_manifest_and_embedded_config():
     assert {p.role for p in cfg.pools} == {"prefill", "decode"}
 
 
+def test_kuberay_manifest_is_valid_kubernetes():
+    """The ConfigMap, and every pod template of the RayCluster (head and worker groups: volumes,
+    Secret references, env, ports), against Kubernetes' own schemas (kubernetes-validate,
+    strict: unknown fields are errors). KubeRay's CRD fields around them are checked above; its
+    CRD schema is not available offline."""
+    import kubernetes_validate as kv
+
+    version = kv.latest_version()
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text())}
+    kv.validate(docs["ConfigMap"], version, strict=True)
+    spec = docs["RayCluster"]["spec"]
+    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for t in templates:
+        kv.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"}, "template": t}, version,
+                    strict=True)
+    bad = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
+           "template": {**templates[0], "spec": {**templates[0]["spec"], "volumes": [{"name": "x", "secrte": {}}]}}}
+    with pytest.raises(kv.ValidationError):  # the validator does catch a misspelt field
+        kv.validate(bad, version, strict=True)
+
+
 def test_dockerfile_serves():
     text = (DEPLOY / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM python:3.11" in text and "pdcluster" in text and "EXPOSE 50051" in text
