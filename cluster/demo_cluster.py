@@ -51,11 +51,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = ClusterConfig.embedded(model=model, transport=args.kv_transport, port=0, engine=engine)
     t0 = time.perf_counter()
     cluster = Cluster(cfg)
+    channel = None
     print(f"starting a local cluster: {model}, 1 prefill + 1 decode worker, KV over {args.kv_transport}", flush=True)
     try:
         addr = cluster.start()
         print(f"SERVING on {addr} after {time.perf_counter() - t0:.1f}s\n", flush=True)
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(addr))
+        channel = grpc.insecure_channel(addr)
+        stub = pb_grpc.InferenceStub(channel)
         lock, results, texts = threading.Lock(), {}, {}
 
         def one(i: int) -> None:
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{len(results)} streams, {total} tokens in {wall:.2f}s ({total / wall:.1f} tokens/s); {kv}")
     finally:
         print("shutting down...", flush=True)
+        if channel is not None:
+            channel.close()  # before the router goes: no GOAWAY for an open connection
         cluster.stop()
     print("stopped")
     return 0
