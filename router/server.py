@@ -76,7 +76,7 @@ class RouterServer:
         self._server = server
         self.service.on_draining = self._update_health
         if self.metrics_port is not None:
-            from router.openai_http import HttpServer
+            from router.http_server import HttpServer
 
             app = self.service.metrics.asgi_app()
             if not self.access.open_metrics:
@@ -85,7 +85,8 @@ class RouterServer:
             self.metrics_url = await self._metrics_http.start() + "/metrics"
             log.info("router metrics on %s", self.metrics_url)
         if self.http_port is not None:
-            from router.openai_http import HttpServer, OpenAIApi
+            from router.http_server import HttpServer
+            from router.openai_http import OpenAIApi
 
             api = OpenAIApi(self.service, self.service.model_id, self.service.frontend.tokenizer)
             app = self.access.asgi(api.app) if self.access.enabled else api.app

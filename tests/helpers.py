@@ -183,6 +183,20 @@ def local_pair(model, num_pages: int, cfg=None, hub=None):
     return prefill, decode, in_process(prefill, "prefill-0", "prefill"), in_process(decode, "decode-0", "decode")
 
 
+def local_trio(model, num_pages: int = 64):
+    """One prefill and two decode workers over one local KV hub: (prefill, decode0, decode1) and
+    their handles (prefill-0, decode-0, decode-1)."""
+    from decode_worker.worker import DecodeWorker
+    from kv_transfer.config import TransferConfig
+    from kv_transfer.local import LocalHub
+
+    hub = LocalHub()
+    prefill, decode0, ph, dh0 = local_pair(model, num_pages, hub=hub)
+    decode1 = DecodeWorker(model, transport="local", transfer_config=TransferConfig(deadline_s=20),
+                           transport_kwargs={"hub": hub}, page_size=16, num_pages=num_pages, **ENGINE)
+    return (prefill, decode0, decode1), (ph, dh0, in_process(decode1, "decode-1", "decode"))
+
+
 def hold_engine_thread(handle, seconds: float):
     """Keep a worker's engine thread busy for `seconds`, as one long step would; returns the
     call's future (done when the hold ends)."""
@@ -296,6 +310,11 @@ def our_ray_processes() -> list[str]:
         if "raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd or "default_worker" in cmd:
             names.append(f"{p}: {cmd[:80]}")
     return names
+
+
+class LoopKiller(BaseException):
+    """Fault injection, named so: what only a bug or the interpreter could raise in an engine
+    step, killing the worker's engine loop."""
 
 
 def slow_steps(worker, step_s: float) -> None:

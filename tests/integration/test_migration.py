@@ -11,19 +11,12 @@ import time
 import grpc
 import pytest
 
-from decode_worker.worker import DecodeWorker
-from kv_transfer import TransferConfig
-from kv_transfer.local import LocalHub
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.helpers import ENGINE, Loop, close, collect, in_process, local_pair, stub, wait_until
+from tests.helpers import Loop, LoopKiller, close, collect, local_trio, stub, wait_until
 
 S = pb.SamplingParams
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
-
-
-class LoopKiller(BaseException):
-    """Fault injection, named so: what kills a worker's engine loop."""
 
 
 class Faults:
@@ -51,11 +44,7 @@ class Faults:
 def cluster(tiny_model, request):
     """1 prefill + 2 decode workers; request.param: router keyword arguments."""
     model = tiny_model("llama")
-    hub = LocalHub()
-    prefill, decode0, ph, dh0 = local_pair(model, 64, hub=hub)
-    decode1 = DecodeWorker(model, transport="local", transfer_config=TransferConfig(deadline_s=20),
-                           transport_kwargs={"hub": hub}, page_size=16, num_pages=64, **ENGINE)
-    dh1 = in_process(decode1, "decode-1", "decode")
+    (prefill, decode0, decode1), (ph, dh0, dh1) = local_trio(model)
     loop = Loop()
     server = build_router(model, [ph], [dh0, dh1], max_model_len=256, **getattr(request, "param", {}))
     loop.run(server.start())

@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kv_transfer import TransferConfig
 from proto.pdcluster.v1 import inference_pb2 as pb
 from router.app import build_router
-from tests.helpers import (ENGINE, Loop, close, collect, hold_engine_thread, in_process, local_pair, per_worker,
-                           scrape, stub, wait_until)
+from tests.helpers import (Loop, LoopKiller, close, collect, hold_engine_thread, local_pair, local_trio, per_worker, scrape,
+                           stub, wait_until)
 
 S = pb.SamplingParams
 
@@ -105,15 +105,8 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
     stuck in a long prefill)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from decode_worker.worker import DecodeWorker
-    from kv_transfer.local import LocalHub
-
     model = tiny_model("llama")
-    hub = LocalHub()
-    prefill, decode0, ph, dh0 = local_pair(model, 64, hub=hub)
-    decode1 = DecodeWorker(model, transport="local", transfer_config=TransferConfig(deadline_s=20),
-                           transport_kwargs={"hub": hub}, page_size=16, num_pages=64, **ENGINE)
-    dh1 = in_process(decode1, "decode-1", "decode")
+    (prefill, decode0, decode1), (ph, dh0, dh1) = local_trio(model)
     loop = Loop()
     server = build_router(model, [ph], [dh0, dh1], max_model_len=256)
     loop.run(server.start())
@@ -130,10 +123,6 @@ def test_a_burst_is_spread_over_decode_workers_busy_in_a_step(tiny_model):
         loop.run(server.stop(1.0))
         close(ph, dh0, dh1)
         loop.close()
-
-
-class LoopKiller(BaseException):
-    """Fault injection, named so: what only a bug or the interpreter could raise in a step."""
 
 
 def test_a_dead_engine_loop_is_reported_at_once_and_health_says_not_serving(router):

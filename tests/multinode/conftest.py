@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from netns_cluster import VENV_BIN, NetnsCluster  # noqa: E402
+
+from tests.helpers import wait_until  # noqa: E402
 
 PREFIX = "pdmntest"
 SUBNET = "10.77.0"
@@ -57,18 +58,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multinode)
             if skip is not None:
                 item.add_marker(skip)
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
-    """Poll until `predicate()` is truthy; the timeout only guards against a hang."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(interval_s)
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +123,7 @@ class Served:
             if self.proc.poll() is not None:
                 raise AssertionError(f"pdcluster serve exited ({self.proc.returncode}):\n{text[-4000:]}")
             return "serving pdcluster.v1.Inference on" in text
-        wait_for(ready, timeout_s, "pdcluster serve reports serving")
+        wait_until(ready, timeout_s, 0.2, "pdcluster serve reports serving")
 
     def client(self, *args: str, timeout: float = 300) -> object:
         r = self.netns.run("head", [str(VENV_BIN / "python"), str(CLIENT), self.address, *args], timeout=timeout,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import hf_greedy, random_prompts
+from tests.helpers import hf_greedy, random_prompts, wait_until
 
-from .conftest import CLIENT, VENV_BIN, Served, wait_for
+from .conftest import CLIENT, VENV_BIN, Served
 
 pytestmark = pytest.mark.multinode
 
@@ -43,7 +43,7 @@ def test_decode_node_loss_and_return(netns, tmp_path_factory, tiny_model):
         netns.kill("decode")              # the machine is gone: raylet, workers, everything
         t_killed = time.monotonic()
 
-        wait_for(lambda: len(netns.alive_nodes()) == 2, 120, "Ray declares the decode node dead")
+        wait_until(lambda: len(netns.alive_nodes()) == 2, 120, 0.2, "Ray declares the decode node dead")
         t_dead = time.monotonic()
         # the rest goes on: the router answers, the prefill worker on its host is healthy
         st = {w["role"]: w for w in s.status()}
@@ -58,7 +58,7 @@ def test_decode_node_loss_and_return(netns, tmp_path_factory, tiny_model):
             w = {w["role"]: w for w in s.status()}["decode"]
             return (w["healthy"] and w["state"] == "serving" and w["node"] == decode_ip
                     and w["pid"] != before["decode"]["pid"] and w["pid"] in netns.pids("decode")) and w
-        new = wait_for(replaced, 300, "the decode replica placed on the returned host and serving", 0.5)
+        new = wait_until(replaced, 300, 0.5, "the decode replica placed on the returned host and serving")
         t_placed = time.monotonic()
 
         out = json.loads(client.stdout.readline())
