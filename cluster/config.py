@@ -104,6 +104,11 @@ class PoolConfig(_Strict):
                               description="how often Ray restarts a lost worker of the pool (a killed process, a lost "
                                           "node) in its placement group bundle before giving it up as dead; the router "
                                           "warms a restarted worker up before placing on it again; 0: never")
+    spare_replicas: int = Field(0, ge=0, le=64,
+                                description="hot spares beside `replicas`: loaded and warmed up but not placed on; "
+                                            "one takes a lost or unresponsive worker's place at once (its streams "
+                                            "migrate to the pool's serving workers), and the replaced worker becomes "
+                                            "a spare when it is back")
 
 
 class TransportSettings(_Strict):
@@ -158,7 +163,41 @@ class RouterSettings(_Strict):
                                                             "continue on (the replacement of the lost one, when it "
                                                             "was the only one); the client's deadline may end it "
                                                             "sooner")
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for the router actor")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for each router actor")
+    replicas: int = Field(1, ge=1, le=16,
+                          description="routers serving the same workers, each its own actor and ports (router i "
+                                      "listens on port + i, http_port + i and metrics_port + i; a port of 0 picks "
+                                      "a free one); losing one leaves the others serving, and Ray restarts it")
+    max_restarts: int = Field(10, ge=0, le=1000,
+                              description="how often Ray restarts a lost router actor (a killed process); the new "
+                                          "router finds the live workers, cancels what its predecessor had running "
+                                          "on them and serves on the same ports; `pdcluster serve` exits non-zero "
+                                          "when a router cannot come back")
+    worker_timeout_s: float = Field(10.0, gt=0, le=3600,
+                                    description="a worker that answers nothing (no engine step, no load report) for "
+                                                "this long is marked unresponsive: no new placement, its streams "
+                                                "migrate, its prefills move to another worker; if it wakes, its late "
+                                                "outputs are ignored and it is taken back after a clean warm-up")
+    request_log: str | None = Field(None, description="one JSON line per finished or failed request (ids, workers, "
+                                                      "tokens, timings, error): a file path on the router's host, "
+                                                      "- for the router's standard error, null: off")
+    http_max_body_bytes: int | None = Field(None, ge=1024, description="largest HTTP request body, refused with 413 "
+                                                                       "from its Content-Length before it is read (a "
+                                                                       "chunked body: as soon as it passes); null: "
+                                                                       "the largest request that can fit "
+                                                                       "max_model_len, as for gRPC")
+    http_header_timeout_s: float = Field(10.0, gt=0, le=3600,
+                                         description="seconds a client has to send a request's headers, from the "
+                                                     "connection (or its previous response) on; then the connection "
+                                                     "is closed")
+    http_body_timeout_s: float = Field(30.0, gt=0, le=3600, description="seconds a client has to send a whole "
+                                                                        "request body; then 408 and the connection "
+                                                                        "closes")
+    http_keep_alive_s: float = Field(5.0, gt=0, le=3600, description="seconds an idle keep-alive connection is "
+                                                                     "held between requests")
+    http_max_connections: int = Field(1024, ge=1, le=100000,
+                                      description="most HTTP connections open at once (API and /metrics each); a "
+                                                  "connection past it gets 503 and is closed")
     metrics_port: int | None = Field(None, ge=0, le=65535,
                                      description="Prometheus /metrics port on the router host; 0 picks a free one, "
                                                  "null serves no metrics; `pdcluster serve` replaces it with "
