@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
-from loadgen.workloads import DATASETS, FORMATS, Workload, build_workload
+from loadgen.workloads import DATASETS, FORMATS, KINDS, Workload, build_workload, format_of
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -20,9 +21,12 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", choices=[*DATASETS, "random"], default="random")
+    p.add_argument("--dataset", default="random",
+                   help=f"a trace: {', '.join(DATASETS)} (looked up in $PDCLUSTER_DATA/traces), a trace file's path "
+                        f"(.csv: Azure, .jsonl: Mooncake), or random (default)")
     p.add_argument("--dataset-path", help="trace file of --dataset-format (overrides --dataset)")
-    p.add_argument("--dataset-format", choices=FORMATS, help="format of --dataset-path")
+    p.add_argument("--dataset-format", choices=FORMATS, help="format of --dataset-path, or of a --dataset PATH whose "
+                                                             "name does not tell")
     p.add_argument("--num-requests", type=int, default=None, help=">= 1; default: whole trace, 100 for random")
     p.add_argument("--time-scale", type=float, default=1.0, help="> 0; multiplies trace arrival offsets")
     p.add_argument("--length-scale", type=float, default=None,
@@ -52,8 +56,10 @@ def validate_workload_arguments(args: argparse.Namespace) -> tuple[tuple[float, 
             raise ValueError(f"{flag} must be {allowed}, got {value}")
     if args.dataset_path and not args.dataset_format:
         raise ValueError("--dataset-path needs --dataset-format (azure or mooncake)")
-    if args.dataset_format and not args.dataset_path:
-        raise ValueError("--dataset-format needs --dataset-path")
+    if args.dataset_format and not (args.dataset_path or args.dataset not in KINDS):
+        raise ValueError("--dataset-format needs --dataset-path or --dataset PATH")
+    if not args.dataset_path and args.dataset not in KINDS and not os.path.isfile(args.dataset):
+        raise ValueError(f"--dataset must be one of {', '.join(KINDS)} or a trace file's path, got {args.dataset!r}")
     try:
         pcts = tuple(float(x) for x in args.percentiles.split(","))
     except ValueError:
@@ -64,8 +70,12 @@ def validate_workload_arguments(args: argparse.Namespace) -> tuple[tuple[float, 
 
 
 def workload_from_args(args: argparse.Namespace, max_model_len: int | None) -> Workload:
-    kind = args.dataset_format if args.dataset_path else args.dataset
-    return build_workload(kind, path=args.dataset_path, num_requests=args.num_requests, time_scale=args.time_scale,
+    kind, path = args.dataset, args.dataset_path
+    if path:
+        kind = args.dataset_format
+    elif kind not in KINDS:  # --dataset PATH
+        kind, path = args.dataset_format or format_of(kind), kind
+    return build_workload(kind, path=path, num_requests=args.num_requests, time_scale=args.time_scale,
                           length_scale=args.length_scale, max_model_len=max_model_len,
                           request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
                           input_range=args.random_input_len, output_range=args.random_output_len)

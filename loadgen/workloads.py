@@ -27,6 +27,19 @@ DATASETS: dict[str, tuple[str, str]] = {
     "mooncake-conv": ("mooncake_conversation.jsonl", "mooncake"),
     "mooncake-synth": ("mooncake_synthetic.jsonl", "mooncake"),
 }
+# the same traces under the names their publishers give them, also looked for in the data folder
+PUBLISHED_NAMES: dict[str, tuple[str, ...]] = {
+    "azure-conv": ("AzureLLMInferenceTrace_conv.csv",),
+    "azure-code": ("AzureLLMInferenceTrace_code.csv",),
+    "mooncake-conv": ("conversation_trace.jsonl",),
+    "mooncake-synth": ("synthetic_trace.jsonl",),
+}
+# where a user gets them
+SOURCES = {
+    "azure": "https://github.com/Azure/AzurePublicDataset (AzureLLMInferenceTrace_conv.csv / _code.csv, 2023)",
+    "mooncake": "https://github.com/kvcache-ai/Mooncake (FAST25-release/traces: conversation_trace.jsonl, "
+                "synthetic_trace.jsonl)",
+}
 FORMATS = ("azure", "mooncake")
 KINDS = (*DATASETS, "random")
 
@@ -51,7 +64,8 @@ class Workload:
 
 
 def data_dir() -> Path:
-    """$PDCLUSTER_DATA, else <repo>/../shared/data."""
+    """Where named traces are looked for: $PDCLUSTER_DATA (its traces/ folder, or itself), else a
+    development checkout's sibling data folder."""
     env = os.environ.get("PDCLUSTER_DATA")
     if env:
         return Path(env)
@@ -59,23 +73,67 @@ def data_dir() -> Path:
 
 
 def dataset_path(name: str) -> Path:
+    """The file of a named dataset: the first of its names found in the data folder's traces/
+    (or the data folder itself); the expected place when none is there."""
     if name not in DATASETS:
-        raise ValueError(f"dataset {name!r} unknown; allowed: {', '.join(KINDS)}")
-    return data_dir() / "traces" / DATASETS[name][0]
+        raise ValueError(f"dataset {name!r} unknown; allowed: {', '.join(KINDS)}, or a trace file's path")
+    root = data_dir()
+    for folder in (root / "traces", root):
+        for fname in (DATASETS[name][0], *PUBLISHED_NAMES[name]):
+            if (folder / fname).is_file():
+                return folder / fname
+    return root / "traces" / DATASETS[name][0]
+
+
+def format_of(path: str | Path) -> str:
+    """A trace file's format from its name: .csv is azure, .jsonl/.json is mooncake."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        return "azure"
+    if suffix in (".jsonl", ".json"):
+        return "mooncake"
+    raise ValueError(f"cannot tell the format of {str(path)!r} from its name: pass --dataset-format azure|mooncake")
+
+
+def missing_dataset(name: str) -> str:
+    fmt = DATASETS[name][1]
+    names = " or ".join((DATASETS[name][0], *PUBLISHED_NAMES[name]))
+    return (f"dataset {name}: no trace file ({names}) in {data_dir() / 'traces'}; get it from {SOURCES[fmt]}, "
+            f"then put it in $PDCLUSTER_DATA/traces or pass its path as --dataset PATH")
 
 
 def load_azure(path: str | Path) -> Workload:
-    """Azure LLM inference trace CSV: arrived_at (s), num_prefill_tokens, num_decode_tokens."""
+    """Azure LLM inference trace CSV, as published (TIMESTAMP, ContextTokens, GeneratedTokens) or
+    as processed by Vidur (arrived_at in s, num_prefill_tokens, num_decode_tokens)."""
     requests = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} - set(reader.fieldnames or ())
+        cols = set(reader.fieldnames or ())
+        published = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols
+        missing = set() if published else {"arrived_at", "num_prefill_tokens", "num_decode_tokens"} - cols
         if missing:
-            raise ValueError(f"{path}: azure trace lacks column(s) {sorted(missing)}")
-        for i, row in enumerate(reader):
-            requests.append(WorkloadRequest(i, float(row["arrived_at"]), max(1, int(row["num_prefill_tokens"])),
-                                            max(1, int(row["num_decode_tokens"]))))
+            raise ValueError(f"{path}: azure trace lacks column(s) {sorted(missing)} (or the published "
+                             f"TIMESTAMP, ContextTokens, GeneratedTokens)")
+        for i, row in enumerate(reader, 2):
+            try:
+                if published:
+                    t, p, o = _timestamp_s(row["TIMESTAMP"]), row["ContextTokens"], row["GeneratedTokens"]
+                else:
+                    t, p, o = float(row["arrived_at"]), row["num_prefill_tokens"], row["num_decode_tokens"]
+                requests.append(WorkloadRequest(len(requests), t, max(1, int(p)), max(1, int(o))))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{i}: bad azure record ({exc})") from exc
     return Workload(requests, 0, Path(path).stem)
+
+
+def _timestamp_s(text: str) -> float:
+    """Seconds since the epoch of a published Azure TIMESTAMP ('2023-11-16 18:15:46.6805900': up to
+    seven fractional digits, more than datetime parses)."""
+    import datetime
+
+    head, _, frac = text.strip().partition(".")
+    dt = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.timezone.utc)
+    return dt.timestamp() + (float("0." + frac) if frac else 0.0)
 
 
 def load_mooncake(path: str | Path) -> Workload:
@@ -162,10 +220,15 @@ def build_workload(kind: str, *, path: str | Path | None = None, num_requests: i
     else:
         fmt = kind
         if kind in DATASETS:
-            path = path or dataset_path(kind)
             fmt = DATASETS[kind][1]
+            if path is None:
+                path = dataset_path(kind)
+                if not path.is_file():
+                    raise ValueError(missing_dataset(kind))
+        elif kind not in FORMATS and path is None and Path(kind).is_file():  # --dataset PATH
+            path, fmt = kind, format_of(kind)
         if fmt not in FORMATS:
-            raise ValueError(f"workload kind {kind!r} unknown; allowed: {', '.join(KINDS + FORMATS)}")
+            raise ValueError(f"workload {kind!r} is neither a dataset name ({', '.join(KINDS)}) nor a trace file")
         if path is None:
             raise ValueError(f"format {fmt!r} needs a path")
         wl = (load_azure if fmt == "azure" else load_mooncake)(path)

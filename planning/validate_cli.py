@@ -3,6 +3,7 @@ cluster here, and print predicted against measured figures with the relative err
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from pathlib import Path
@@ -64,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from loadgen.workloads import KINDS
 
-    if args.dataset is not None and args.dataset not in KINDS:
-        print(f"pdcluster plan validate: --dataset must be one of {', '.join(KINDS)}, got {args.dataset!r}",
+    if args.dataset is not None and args.dataset not in KINDS and not os.path.isfile(args.dataset):
+        print(f"pdcluster plan validate: --dataset must be one of {', '.join(KINDS)} or a trace file's path, "
+              f"got {args.dataset!r}",
               file=sys.stderr)
         return 2
     cases = [replace(CASES[n], num_requests=args.num_requests or CASES[n].num_requests,

@@ -64,7 +64,7 @@ def test_random_and_errors():
     assert len(wl.requests) == 7 and all(4 <= r.prompt_len <= 8 for r in wl.requests)
     with pytest.raises(ValueError, match="input_range"):
         build_workload("random", num_requests=3, input_range=(9, 2))
-    with pytest.raises(ValueError, match="allowed"):
+    with pytest.raises(ValueError, match="neither a dataset name .* nor a trace file"):
         build_workload("nope")
 
 
@@ -87,3 +87,46 @@ def test_shipped_traces(name):
     assert len(wl.requests) == 50 and wl.requests[0].arrival_s == 0.0
     assert all(r.prompt_len + r.output_len <= 1024 for r in wl.requests)
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(wl.requests, wl.requests[1:]))
+
+
+def test_the_published_azure_format_loads(tmp_path):
+    """AzureLLMInferenceTrace_conv.csv as Azure/AzurePublicDataset publishes it, seven fractional digits."""
+    p = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                 "2023-11-16 18:15:50.9951690,396,109\n")
+    wl = build_workload("azure", path=p)
+    assert [(r.prompt_len, r.output_len) for r in wl.requests] == [(374, 44), (396, 109)]
+    assert wl.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-5)
+
+
+def test_dataset_path_and_published_names_in_the_data_folder(tmp_path, monkeypatch, small_mooncake):
+    """--dataset takes a file's path (format from its name), and a named dataset is found under
+    the name its publisher gives the file, in $PDCLUSTER_DATA/traces."""
+    import argparse
+
+    from loadgen.workload_args import add_workload_arguments, validate_workload_arguments, workload_from_args
+
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    args = p.parse_args(["--dataset", str(small_mooncake)])
+    validate_workload_arguments(args)
+    wl = workload_from_args(args, None)
+    assert [r.prompt_len for r in wl.requests] == [1100, 1500, 600] and wl.block_tokens == 512
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "conversation_trace.jsonl").write_text(small_mooncake.read_text())
+    monkeypatch.setenv("PDCLUSTER_DATA", str(tmp_path))
+    assert len(build_workload("mooncake-conv").requests) == 3
+
+
+def test_a_missing_dataset_says_where_to_get_it(tmp_path, monkeypatch):
+    import argparse
+
+    from loadgen.workload_args import add_workload_arguments, validate_workload_arguments
+
+    monkeypatch.setenv("PDCLUSTER_DATA", str(tmp_path))
+    with pytest.raises(ValueError, match=r"azure-conv: no trace file .*github.com/Azure/AzurePublicDataset.*--dataset PATH"):
+        build_workload("azure-conv")
+    p = argparse.ArgumentParser()
+    add_workload_arguments(p)
+    with pytest.raises(ValueError, match="--dataset must be one of .* or a trace file's path, got 'nope.csv'"):
+        validate_workload_arguments(p.parse_args(["--dataset", "nope.csv"]))
