@@ -46,7 +46,8 @@ class RouterRecord:
     metrics_url: str = ""
     pid: int = 0
     ports: tuple = (0, None, None)       # (gRPC, HTTP, metrics) it bound: a restarted router takes them again
-    lost_at: float | None = None         # monotonic time the supervisor found it lost; None while serving
+    lost_at: float | None = None         # monotonic time of its last answer before a loss; None while serving
+    last_answer: float = 0.0             # monotonic time of its last answer to the supervisor
     restarts: int = 0
 
 
@@ -78,7 +79,7 @@ class Cluster:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from cluster.actors import RouterActor
         from engine.core import resolve_model
@@ -116,10 +117,13 @@ class Cluster:
             ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
+            # the routers run on this node (where `pdcluster serve` runs: the head of a KubeRay
+            # cluster), their restarts too: their addresses are this host's
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             for i in range(cfg.router.replicas):
                 name = f"router-{i}"
                 actor = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name=f"pdcluster-{name}",
-                                                        max_concurrency=10000,
+                                                        max_concurrency=10000, scheduling_strategy=here,
                                                         max_restarts=cfg.router.max_restarts).remote(
                     cfg, prefills, decodes, i)
                 self.routers.append(RouterRecord(name, actor))
@@ -134,6 +138,7 @@ class Cluster:
                                            f"{timeout_s:.0f}s")
                     time.sleep(0.1)
                 self._describe(r)
+                r.last_answer = time.monotonic()
             first = self.routers[0]
             self.router_address, self.metrics_url, self.http_url = first.address, first.metrics_url, first.http_url
             self._watcher = threading.Thread(target=self._watch, name="pdcluster-router-watch", daemon=True)
@@ -182,7 +187,8 @@ class Cluster:
 
         spent = r.restarts >= self.config.router.max_restarts
         try:
-            info = ray.get(r.actor.info.remote(), timeout=5)
+            asked = time.monotonic()
+            info = ray.get(r.actor.info.remote(), timeout=2)
         except RayActorError as exc:  # its process is gone: Ray restarts it, unless its restarts are spent
             if spent:
                 self._fail(r, f"its process is gone and Ray will not restart it (router.max_restarts "
@@ -197,6 +203,7 @@ class Cluster:
         if info["pid"] != r.pid:
             self._lost(r, "its process is gone")
         if r.lost_at is None:
+            r.last_answer = asked
             return
         if not info["started"]:
             try:
@@ -211,14 +218,14 @@ class Cluster:
             r.lost_at = None
             r.restarts += 1
             retired = ray.get(r.actor.info.remote(), timeout=10)["retired"]
-            self._say(f"{r.name} back: serving on {r.address} again (pid {r.pid}), {took:.1f} s after its loss was "
-                      f"seen; {retired} request(s) of its predecessor cancelled on the workers")
+            self._say(f"{r.name} back: serving on {r.address} again (pid {r.pid}), {took:.1f} s after the last "
+                      f"answer of its lost process; {retired} request(s) of its predecessor cancelled on the workers")
         else:
             self._overdue(r)
 
     def _lost(self, r: RouterRecord, why: str) -> None:
         if r.lost_at is None:
-            r.lost_at = time.monotonic()
+            r.lost_at = r.last_answer or time.monotonic()
             self._say(f"{r.name} lost (pid {r.pid}): {why}; waiting for Ray to restart it")
 
     def _overdue(self, r: RouterRecord) -> None:
