@@ -692,7 +692,7 @@ class Chaos:
     async def scenario_kill_router(self, row: Row) -> None:
         from bench.chaos_router import kill_router
 
-        await kill_router(self, row)
+        await kill_router(self, row, sys.modules[__name__])  # the suite's helpers, without an import back
 
     async def post_check(self, row: Row, req, ref: list[int] | None, pin: str) -> None:
         """The replaced worker serves the same greedy tokens."""

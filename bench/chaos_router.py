@@ -20,8 +20,11 @@ from typing import Any
 ROUTER_ACTOR = "pdcluster-router-0"
 
 
-async def kill_router(chaos: Any, row: Any) -> None:
-    from bench.chaos import _cmdline, _problem, _until, describe, generate_call
+async def kill_router(chaos: Any, row: Any, suite: Any) -> None:
+    """`chaos`: the suite's `Chaos` (its cluster's router 0 at chaos.address); `row`: this
+    scenario's `Row`; `suite`: the bench.chaos module (its helpers)."""
+    _cmdline, _problem, _until = suite._cmdline, suite._problem, suite._until
+    describe, generate_call = suite.describe, suite.generate_call
 
     f, s = chaos.fuzzer, chaos.s
     reqs = []
@@ -29,7 +32,7 @@ async def kill_router(chaos: Any, row: Any) -> None:
         plen = chaos.rng.randint(16, 48)
         reqs.append(chaos.greedy(f.ids(plen), min(s.stream_tokens, f.mml - plen)))
     refs = await chaos.references(row, reqs)
-    outs = [_outcome() for _ in reqs]
+    outs = [suite.Outcome() for _ in reqs]
     tasks = [asyncio.ensure_future(generate_call(chaos.chan(i), r.SerializeToString(), s.call_timeout_s, out=o))
              for i, (r, o) in enumerate(zip(reqs, outs))]
     await _until(lambda: all(len(o.chunks) >= 2 or o.done for o in outs), 120)
@@ -89,12 +92,6 @@ async def kill_router(chaos: Any, row: Any) -> None:
             row.bad_responses += 1
             row.ok -= 1
             _problem(row, "bad", again, exp, describe(reqs[0]), "after recovery: tokens differ from the reference")
-
-
-def _outcome():
-    from bench.chaos import Outcome
-
-    return Outcome()
 
 
 async def _router_pid() -> tuple[Any, int]:

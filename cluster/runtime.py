@@ -149,6 +149,11 @@ class Cluster:
         return self.router_address
 
     @property
+    def _router(self):
+        """Router 0's actor handle (what callers of the one-router cluster used)."""
+        return self.routers[0].actor if self.routers else None
+
+    @property
     def router_addresses(self) -> list[str]:
         """host:port of every router's gRPC server, router 0 first."""
         return [r.address for r in self.routers]
