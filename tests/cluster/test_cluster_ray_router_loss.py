@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,11 +87,12 @@ def _start(tiny_model, tmp_path, **router):
 
 def test_a_killed_router_comes_back_on_its_port_and_its_requests_are_cancelled(tiny_model, tmp_path):
     log_path = tmp_path / "requests.jsonl"
-    cluster, events = _start(tiny_model, tmp_path, request_log=str(log_path))
+    cluster, events = _start(tiny_model, tmp_path, request_log=str(log_path), http_port=0, metrics_port=0)
     try:
         import ray
 
-        address = cluster.router_address
+        address, http_url, metrics_url = cluster.router_address, cluster.http_url, cluster.metrics_url
+        assert http_url and metrics_url
         s = _stub(address)
         before, _, _ = collect(s, SHORT)
         reference, _, _ = collect(s, LONG)
@@ -116,6 +118,12 @@ def test_a_killed_router_comes_back_on_its_port_and_its_requests_are_cancelled(t
         assert info["retired"] == 4, info
         after, _, _ = collect(_stub(address), SHORT)
         assert after == before
+        # its HTTP API and /metrics on their old (free-picked) ports too
+        assert ray.get(cluster.routers[0].actor.http_url.remote(), timeout=30) == http_url
+        assert ray.get(cluster.routers[0].actor.metrics_url.remote(), timeout=30) == metrics_url
+        models = json.loads(urllib.request.urlopen(http_url + "/v1/models", timeout=10).read())
+        assert models["data"], models
+        assert b"pdcluster_requests" in urllib.request.urlopen(metrics_url, timeout=10).read()
         st = wait_free(_stub(address))
         assert all(w.free_pages == w.total_pages and w.running_requests == 0 for w in st.workers), st
         wait_until(lambda: any(e.startswith("router-0 back") for e in events), 30, 0.05, "the supervisor's line")

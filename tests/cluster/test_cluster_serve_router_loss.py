@@ -49,12 +49,24 @@ class Serve:
         return wait_until(seen, timeout_s, 0.1, f"serve printing {pattern!r}; it printed:\n" + "\n".join(self.lines))
 
     def end(self) -> None:
+        """Stop serve if it still runs (a failed test); every process of its session must end."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
         self._reader.join(10)
-        left = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        assert not left, f"processes left in the serve session: {left}"
+
+        def left() -> list[str]:
+            return subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        try:  # Ray's processes exit once their gcs is gone: a moment, not at once
+            wait_until(lambda: not left(), 30, 0.2, "the serve session's processes ending")
+        finally:
+            stray = left()
+            for pid in stray:  # ours: they are in the session of the serve we started
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert not stray, f"processes left in the serve session: {stray}"
 
 
 def _listener(port: int) -> int:
