@@ -21,6 +21,9 @@ on 127.0.0.1 only) and runs scenarios against the router's gRPC endpoint:
   kill-decode-stream    kill -9 of a decode worker while greedy streams decode on it; their
                         tokens are compared with the same requests' tokens from an
                         uninterrupted run (run first, on the healthy cluster).
+  kill-router           kill -9 of the router's process while greedy streams run through it
+                        (bench/chaos_router.py): the streams end UNAVAILABLE after a prefix of
+                        the reference tokens, the router serves again on the same port.
 
 In the kill scenarios a trickle of short requests keeps arriving from just before the kill until
 the worker is back. The pid comes from ClusterStatus; Ray restarts the process and the router
@@ -51,7 +54,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "kill-prefill", "kill-decode-transfer", "kill-decode-stream")
+SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "kill-prefill", "kill-decode-transfer", "kill-decode-stream",
+             "kill-router")
 GENERATE = "/pdcluster.v1.Inference/Generate"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -684,6 +688,11 @@ class Chaos:
         row.extra["streams"] = verdicts
         row.extra["placed_on"] = placed_on
         await self.post_check(row, specs[0][0], refs[0], victim)
+
+    async def scenario_kill_router(self, row: Row) -> None:
+        from bench.chaos_router import kill_router
+
+        await kill_router(self, row, sys.modules[__name__])  # the suite's helpers, without an import back
 
     async def post_check(self, row: Row, req, ref: list[int] | None, pin: str) -> None:
         """The replaced worker serves the same greedy tokens."""

@@ -117,37 +117,93 @@ class RayActor:
 
 
 class RouterActor:
-    """Hosts the gRPC server on the actor's event loop; workers are reached via Ray handles."""
+    """Hosts the gRPC server on the actor's event loop; workers are reached via Ray handles.
 
-    def __init__(self, config, prefills: list[tuple[str, str, object]], decodes: list[tuple[str, str, str, object]]) -> None:
+    Router `index` is `router-<index>` to the workers: its handles open channels named
+    `router-<index>/<incarnation>-<worker>`, the incarnation new in each process. Ray restarts a
+    lost router actor (its constructor runs again in a new process, with the same worker
+    handles); `start()` then retires the predecessor's channels on every worker (its requests
+    cancelled, their pages freed) before serving again on the ports it is given."""
+
+    def __init__(self, config, prefills: list[tuple[str, str, object]], decodes: list[tuple[str, str, str, object]],
+                 index: int = 0) -> None:
+        import uuid
+
         gc_pauses()  # time this process's garbage collections from the start
         self.config = config
         self.prefills, self.decodes = prefills, decodes
+        self.index = index
+        self.identity = f"router-{index}"
+        self.incarnation = uuid.uuid4().hex[:8]
         self.server = None
+        self.retired = 0  # requests of earlier incarnations this one cancelled on the workers
+        _attach_request_log(config.router.request_log, self.identity)
 
-    async def start(self) -> str:
+    def ports(self) -> tuple[int, int | None, int | None]:
+        """(gRPC, HTTP, metrics) ports of this router from the config: port + index (0 stays 0:
+        a free one), None for a door that is off."""
+        r, i = self.config.router, self.index
+
+        def of(port):
+            return None if port is None else (port + i if port else 0)
+        return of(r.port), of(r.http_port), of(r.metrics_port)
+
+    async def start(self, ports: tuple[int, int | None, int | None] | None = None) -> str:
+        """Serve; `ports` (gRPC, HTTP, metrics) replaces the configured ones (a router that came
+        back takes the ports its first incarnation bound)."""
         from router.app import build_router
         from router.handles import WorkerHandle
         from router.security import Access, Tls
 
+        if self.server is not None:  # an earlier start() of this incarnation failed half-way
+            await self.server.stop(0)
+            self.server = None
         cfg, r = self.config, self.config.router
-        prefills = [WorkerHandle(RayActor(a), wid, pool, "prefill") for wid, pool, a in self.prefills]
-        decodes = [WorkerHandle(RayActor(a), wid, pool, role) for wid, pool, role, a in self.decodes]
-        self.server = build_router(cfg.model, prefills, decodes, host=r.host, port=r.port, policy=r.policy,
+        port, http_port, metrics_port = ports or self.ports()
+        self.retired = await self._retire_predecessors()
+        prefix = f"{self.identity}/{self.incarnation}"
+        prefills = [WorkerHandle(RayActor(a), wid, pool, "prefill", prefix) for wid, pool, a in self.prefills]
+        decodes = [WorkerHandle(RayActor(a), wid, pool, role, prefix) for wid, pool, role, a in self.decodes]
+        self.server = build_router(cfg.model, prefills, decodes, host=r.host, port=port, policy=r.policy,
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
                                    max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
-                                   migration_wait_s=r.migration_wait_s, warm_up=True, http_port=r.http_port,
+                                   migration_wait_s=r.migration_wait_s, warm_up=True, http_port=http_port,
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
                                    tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None)
-        self.server.metrics_port = r.metrics_port
+        self.server.metrics_port = metrics_port
         address = await self.server.start()
         freeze_startup_heap()
         return address
 
+    async def _retire_predecessors(self, timeout_s: float = 10.0) -> int:
+        """Ask every worker to cancel what earlier incarnations of this router had open there.
+        A worker that does not answer in time (restarting itself) holds none of their requests."""
+        import logging
+
+        actors = [a for _, _, a in self.prefills] + [a for *_, a in self.decodes]
+
+        async def one(actor):
+            return await asyncio.wait_for(RayActor(actor).call("retire", self.identity, self.incarnation), timeout_s)
+
+        done = await asyncio.gather(*(one(a) for a in actors), return_exceptions=True)
+        cancelled = sum(n for n in done if isinstance(n, int))
+        failed = [f"{type(e).__name__}: {e}" for e in done if isinstance(e, BaseException)]
+        logging.getLogger(__name__).warning(
+            "%s incarnation %s: %d request(s) of earlier incarnations cancelled on %d worker(s)%s", self.identity,
+            self.incarnation, cancelled, len(actors) - len(failed),
+            f"; not reached: {'; '.join(failed)}" if failed else "")
+        return cancelled
+
     def serving(self) -> bool:
         """Whether the router's health says SERVING (asked here: no credentials needed)."""
         return self.server is not None and self.server.health_status == "SERVING"
+
+    def info(self) -> dict:
+        """What the cluster's supervisor watches: this process, its incarnation and whether it serves."""
+        return {"pid": os.getpid(), "incarnation": self.incarnation, "started": self.server is not None,
+                "serving": self.serving(), "address": self.server.address if self.server is not None else "",
+                "retired": self.retired}
 
     def http_url(self) -> str:
         """http://host:port of the OpenAI-compatible API (its routes under /v1), or "" when off."""
@@ -172,3 +228,29 @@ class RouterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _attach_request_log(where: str | None, router: str) -> None:
+    """router.request_log: one JSON line per finished or failed request (logger
+    `pdcluster.requests`, router.metrics.log_request) appended to a file, or to this process's
+    standard error for "-", each line naming the router that served it."""
+    if not where:
+        return
+    import json
+    import logging
+    import sys
+
+    class RouterField(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            msg = record.getMessage()
+            try:
+                return json.dumps({"router": router, **json.loads(msg)}, separators=(",", ":"))
+            except ValueError:
+                return msg
+
+    handler = logging.StreamHandler(sys.stderr) if where == "-" else logging.FileHandler(where, mode="a")
+    handler.setFormatter(RouterField())
+    logger = logging.getLogger("pdcluster.requests")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,7 +1,14 @@
 """`Cluster`: start (or join) Ray, place each pool's replicas with a placement group, start
-the worker actors and the router actor, and wait until the router's health service says
-SERVING; `stop` drains the router, closes the workers, removes the placement groups and,
-for a cluster it started, shuts Ray down (its gcs/raylet/worker processes go with it).
+the worker actors and the router actors (`router.replicas`, each serving every worker), and
+wait until each router's health service says SERVING; `stop` drains the routers, closes the
+workers, removes the placement groups and, for a cluster it started, shuts Ray down (its
+gcs/raylet/worker processes go with it).
+
+A supervisor thread watches every router actor (`RouterActor.info`, twice a second). Ray
+restarts a lost router's process (`router.max_restarts`); the supervisor sees the new process,
+calls its `start()` with the ports its first incarnation bound, and says when it serves again.
+A router that cannot come back (its restarts spent, or not serving within
+`router_return_timeout_s`) is recorded in `failure`, which `pdcluster serve` exits on.
 
 A local cluster stays on loopback: Ray on 127.0.0.1 and every worker's KV endpoint and the
 router on 127.0.0.1. Joining an existing cluster (`address`), workers bind their node's IP.
@@ -11,8 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from cluster.config import ClusterConfig, PoolConfig
 
@@ -27,15 +37,35 @@ class WorkerRecord:
     actor: object
 
 
+@dataclass(slots=True)
+class RouterRecord:
+    name: str                            # router-<index>; its Ray actor is pdcluster-<name>
+    actor: object
+    address: str = ""                    # host:port of its gRPC server
+    http_url: str = ""
+    metrics_url: str = ""
+    pid: int = 0
+    ports: tuple = (0, None, None)       # (gRPC, HTTP, metrics) it bound: a restarted router takes them again
+    lost_at: float | None = None         # monotonic time of its last answer before a loss; None while serving
+    last_answer: float = 0.0             # monotonic time of its last answer to the supervisor
+    restarts: int = 0
+
+
 @dataclass
 class Cluster:
     config: ClusterConfig
     address: str | None = None          # a Ray address to join; None starts a local one
     workers: list[WorkerRecord] = field(default_factory=list)
-    router_address: str = ""
-    metrics_url: str = ""               # the router's Prometheus endpoint; "" when router.metrics_port is None
-    http_url: str = ""                  # the router's OpenAI-compatible API (routes under /v1); "" when off
-    _router: object = None
+    router_address: str = ""            # router 0's (router_addresses: all of them)
+    metrics_url: str = ""               # router 0's Prometheus endpoint; "" when router.metrics_port is None
+    http_url: str = ""                  # router 0's OpenAI-compatible API (routes under /v1); "" when off
+    routers: list[RouterRecord] = field(default_factory=list)
+    router_return_timeout_s: float = 60.0  # a lost router not serving again within this is a failure
+    watch_interval_s: float = 0.5
+    on_event: Callable[[str], None] | None = None  # told of a router's loss, return or failure (one line each)
+    failure: str = ""                   # why a router cannot come back; "" while all can
+    _watcher: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
     _pgs: list = field(default_factory=list)
     _started_ray: bool = False
     # every worker's KV transfer service wants this credential (kv_transfer.config.TransferConfig.secret):
@@ -49,7 +79,7 @@ class Cluster:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from cluster.actors import RouterActor
         from engine.core import resolve_model
@@ -57,7 +87,8 @@ class Cluster:
         cfg = self.config
         resolve_model(cfg.model)  # a built-in model is written here once, before any actor reads it
         if self.address is None:
-            need_cpus = sum(p.resources.num_cpus * p.replicas for p in cfg.pools) + cfg.router.num_cpus
+            need_cpus = (sum(p.resources.num_cpus * p.replicas for p in cfg.pools)
+                         + cfg.router.num_cpus * cfg.router.replicas)
             custom: dict[str, float] = {}
             for p in cfg.pools:
                 for k, v in p.resources.custom.items():
@@ -86,21 +117,129 @@ class Cluster:
             ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
-            self._router = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name="pdcluster-router",
-                                                           max_concurrency=10000).remote(cfg, prefills, decodes)
-            self.router_address = ray.get(self._router.start.remote(), timeout=max(deadline - time.monotonic(), 1))
-            # asked of the router actor, not over its port: that may want TLS and a key
-            while not ray.get(self._router.serving.remote(), timeout=max(deadline - time.monotonic(), 1)):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the router at {self.router_address} did not report SERVING within "
-                                       f"{timeout_s:.0f}s")
-                time.sleep(0.1)
-            self.metrics_url = ray.get(self._router.metrics_url.remote(), timeout=10)
-            self.http_url = ray.get(self._router.http_url.remote(), timeout=10)
+            # the routers run on this node (where `pdcluster serve` runs: the head of a KubeRay
+            # cluster), their restarts too: their addresses are this host's
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            for i in range(cfg.router.replicas):
+                name = f"router-{i}"
+                actor = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name=f"pdcluster-{name}",
+                                                        max_concurrency=10000, scheduling_strategy=here,
+                                                        max_restarts=cfg.router.max_restarts).remote(
+                    cfg, prefills, decodes, i)
+                self.routers.append(RouterRecord(name, actor))
+            starts = [r.actor.start.remote() for r in self.routers]
+            for r, address in zip(self.routers, ray.get(starts, timeout=max(deadline - time.monotonic(), 1))):
+                r.address = address
+            for r in self.routers:
+                # asked of the router actor, not over its port: that may want TLS and a key
+                while not ray.get(r.actor.serving.remote(), timeout=max(deadline - time.monotonic(), 1)):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the router at {r.address} did not report SERVING within "
+                                           f"{timeout_s:.0f}s")
+                    time.sleep(0.1)
+                self._describe(r)
+                r.last_answer = time.monotonic()
+            first = self.routers[0]
+            self.router_address, self.metrics_url, self.http_url = first.address, first.metrics_url, first.http_url
+            self._watcher = threading.Thread(target=self._watch, name="pdcluster-router-watch", daemon=True)
+            self._watcher.start()
         except BaseException:
             self.stop()
             raise
         return self.router_address
+
+    @property
+    def _router(self):
+        """Router 0's actor handle (what callers of the one-router cluster used)."""
+        return self.routers[0].actor if self.routers else None
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """host:port of every router's gRPC server, router 0 first."""
+        return [r.address for r in self.routers]
+
+    def _describe(self, r: RouterRecord) -> None:
+        """Fill in a serving router's addresses, process and the ports it bound."""
+        import ray
+
+        info, r.http_url, r.metrics_url = ray.get([r.actor.info.remote(), r.actor.http_url.remote(),
+                                                   r.actor.metrics_url.remote()], timeout=30)
+        r.pid, r.address = info["pid"], info["address"]
+
+        def port(url: str):
+            return urlparse(url).port if url else None
+        r.ports = (int(r.address.rsplit(":", 1)[1]), port(r.http_url), port(r.metrics_url))
+
+    # ---- the router supervisor ----------------------------------------------------------------
+    def _say(self, line: str, level: int = logging.WARNING) -> None:
+        log.log(level, "%s", line)
+        if self.on_event is not None:
+            self.on_event(line)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.watch_interval_s):
+            for r in self.routers:
+                if self._stopping.is_set() or self.failure:
+                    return
+                try:
+                    self._check(r)
+                except Exception as exc:  # the supervisor never dies of one odd answer
+                    log.warning("router supervisor: %s: %s: %s", r.name, type(exc).__name__, exc)
+
+    def _check(self, r: RouterRecord) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        spent = r.restarts >= self.config.router.max_restarts
+        try:
+            asked = time.monotonic()
+            info = ray.get(r.actor.info.remote(), timeout=2)
+        except RayActorError as exc:  # its process is gone: Ray restarts it, unless its restarts are spent
+            if spent:
+                self._fail(r, f"its process is gone and Ray will not restart it (router.max_restarts "
+                              f"{self.config.router.max_restarts} spent): {_first_line(exc)}")
+                return
+            self._lost(r, f"its process is gone ({type(exc).__name__})")
+            self._overdue(r)
+            return
+        except GetTimeoutError:  # restarting, or too busy to answer now
+            self._overdue(r)
+            return
+        if info["pid"] != r.pid:
+            self._lost(r, "its process is gone")
+        if r.lost_at is None:
+            r.last_answer = asked
+            return
+        if not info["started"]:
+            try:
+                ray.get(r.actor.start.remote(r.ports), timeout=max(self.router_return_timeout_s, 1))
+            except Exception as exc:
+                log.warning("%s: start after its loss failed: %s: %s", r.name, type(exc).__name__, _first_line(exc))
+                self._overdue(r)
+                return
+        if ray.get(r.actor.serving.remote(), timeout=10):
+            took = time.monotonic() - r.lost_at
+            self._describe(r)
+            r.lost_at = None
+            r.restarts += 1
+            retired = ray.get(r.actor.info.remote(), timeout=10)["retired"]
+            self._say(f"{r.name} back: serving on {r.address} again (pid {r.pid}), {took:.1f} s after the last "
+                      f"answer of its lost process; {retired} request(s) of its predecessor cancelled on the workers")
+        else:
+            self._overdue(r)
+
+    def _lost(self, r: RouterRecord, why: str) -> None:
+        if r.lost_at is None:
+            r.lost_at = r.last_answer or time.monotonic()
+            self._say(f"{r.name} lost (pid {r.pid}): {why}; waiting for Ray to restart it")
+
+    def _overdue(self, r: RouterRecord) -> None:
+        if r.lost_at is not None and time.monotonic() - r.lost_at > self.router_return_timeout_s:
+            self._fail(r, f"not serving again within {self.router_return_timeout_s:.0f} s of its loss")
+
+    def _fail(self, r: RouterRecord, why: str) -> None:
+        self.failure = f"{r.name} (last on {r.address}) cannot come back: {why}"
+        self._say(self.failure, logging.ERROR)
 
     def _start_worker(self, pool: PoolConfig, index: int, pg, local: bool, strategy_cls) -> WorkerRecord:
         import ray
@@ -128,13 +267,19 @@ class Cluster:
             return
         from ray.util.placement_group import remove_placement_group
 
-        if self._router is not None:
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=30)
+        self._watcher = None
+        stops = [r.actor.stop.remote(grace_s) for r in self.routers]
+        for r, ref in zip(self.routers, stops):
             try:
-                ray.get(self._router.stop.remote(grace_s), timeout=grace_s + 10)
+                ray.get(ref, timeout=grace_s + 10)
             except Exception as exc:
-                log.warning("router stop: %s", exc)
-            ray.kill(self._router)
-            self._router = None
+                log.warning("%s stop: %s", r.name, _first_line(exc))
+        for r in self.routers:
+            ray.kill(r.actor, no_restart=True)
+        self.routers.clear()
         closes = []
         for w in self.workers:
             try:
@@ -155,3 +300,8 @@ class Cluster:
                 pass
         self._pgs.clear()
         ray.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,7 +1,12 @@
 """`pdcluster serve`: start the cluster (a local one on 127.0.0.1 unless --address joins an
-existing Ray cluster), print the router's address once it is SERVING, and on Ctrl-C or
+existing Ray cluster), print each router's address once it is SERVING, and on Ctrl-C or
 SIGTERM drain (health NOT_SERVING, running requests finish within --grace) and stop every
-process it started."""
+process it started.
+
+While it runs, a lost router (its process killed or crashed) is restarted by Ray and started
+again by the cluster's supervisor on the same ports: serve prints a line when the loss is seen
+and one when the router serves again. A router that cannot come back (router.max_restarts
+spent, or not serving within a minute) ends serve with exit code 1, saying which and why."""
 from __future__ import annotations
 
 import argparse
@@ -45,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="OpenAI-compatible HTTP API port on the router host (default 8000; 0 picks a free one; "
                              "-1 off)")
-    parser.add_argument("--ready-file", help="write the router address here once SERVING")
+    parser.add_argument("--routers", type=int, help="router replicas, each an actor on its own ports (router i on "
+                                                    "port+i, http-port+i, metrics-port+i); default 1")
+    parser.add_argument("--request-log", help="one JSON line per finished or failed request: a file on the "
+                                              "routers' host (appended), or - for the router processes' "
+                                              "standard error (Ray's log files of a local cluster)")
+    parser.add_argument("--ready-file", help="write router 0's address here once every router is SERVING")
     sec = parser.add_argument_group("locks on the client-facing doors (gRPC, HTTP, /metrics)")
     sec.add_argument("--api-key", action="append", default=None,
                      help="require this key on every RPC and route (repeatable; also $PDCLUSTER_API_KEYS, "
@@ -70,7 +80,9 @@ def load_config(args: argparse.Namespace):
     if args.model:
         updates["model"] = args.model
     router = {k: v for k, v in (("host", args.host), ("port", args.port), ("policy", args.policy),
-                                ("migration_limit", getattr(args, "migration_limit", None))) if v is not None}
+                                ("migration_limit", getattr(args, "migration_limit", None)),
+                                ("replicas", getattr(args, "routers", None)),
+                                ("request_log", getattr(args, "request_log", None))) if v is not None}
     metrics_port = getattr(args, "metrics_port", None)
     if metrics_port is not None:
         router["metrics_port"] = None if metrics_port < 0 else metrics_port
@@ -155,26 +167,33 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, on_signal)
 
     install()
-    cluster = Cluster(cfg, address=args.address)
+    cluster = Cluster(cfg, address=args.address, on_event=lambda line: print(line, flush=True))
     pools = ", ".join(f"{p.name}: {p.replicas} x {p.role}" for p in cfg.pools)
-    print(f"starting pdcluster ({cfg.model}; {pools}; kv over {cfg.transport.kind})", flush=True)
+    routers = f"{cfg.router.replicas} routers; " if cfg.router.replicas > 1 else ""
+    print(f"starting pdcluster ({cfg.model}; {pools}; {routers}kv over {cfg.transport.kind})", flush=True)
+    failed = ""
     try:
         address = cluster.start()
         install()  # ray.init installs its own SIGTERM handler (which exits at once): drain instead
-        print(f"serving pdcluster.v1.Inference on {address} (Ctrl-C to stop)", flush=True)
-        if cluster.http_url:
-            print(f"OpenAI-compatible API at {cluster.http_url}/v1", flush=True)
-        if cluster.metrics_url:
-            print(f"metrics at {cluster.metrics_url}", flush=True)
+        for r in cluster.routers:
+            name = f" ({r.name})" if len(cluster.routers) > 1 else ""
+            print(f"serving pdcluster.v1.Inference on {r.address}{name} (Ctrl-C to stop)", flush=True)
+            if r.http_url:
+                print(f"OpenAI-compatible API at {r.http_url}/v1{name}", flush=True)
+            if r.metrics_url:
+                print(f"metrics at {r.metrics_url}{name}", flush=True)
         if args.ready_file:
             Path(args.ready_file).write_text(address)
         while not stop.wait(0.5):
-            pass
-        print("draining...", flush=True)
+            if cluster.failure:
+                failed = cluster.failure
+                break
+        print(f"pdcluster serve: {failed}; stopping" if failed else "draining...", file=sys.stderr if failed else
+              sys.stdout, flush=True)
     finally:
         cluster.stop(args.grace)
     print("stopped", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

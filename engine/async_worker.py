@@ -16,6 +16,11 @@ item per step for all of a channel's requests.
 Every request a worker accepts ends with exactly one finished output (done, failed or
 aborted), so a channel's routes never outlive their requests.
 
+A router names its channels `<router>/<incarnation>-<worker>` ("router-0/3f2a9c1b-decode-0").
+A router that comes back after its process was lost calls `retire(router, incarnation)` on
+every worker: the requests its predecessors opened there are cancelled (their pages freed),
+their channels dropped, and a late call from a predecessor is refused.
+
 This module and engine/loop.py import no torch: unpickling a Ray handle of this actor class
 imports them, in the router's process too.
 """
@@ -48,6 +53,7 @@ class AsyncWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        self._incarnations: dict[str, str] = {}  # router -> its current incarnation (retire)
         self.engine = EngineLoop(self.worker, f"{name}-engine", self._on_step, self._on_death)
 
     # ---- what callers use -----------------------------------------------------------------
@@ -59,8 +65,10 @@ class AsyncWorker:
             return await self.engine.run(lambda: fn(*args))
         rid = _request_id(args[0])
         self._bind_loop()
-        self._queue(channel)
         with self._lock:
+            if _retired(channel, self._incarnations):
+                raise RuntimeError(f"channel {channel!r} belongs to a retired router incarnation")
+            self._queue(channel)
             self._routes[rid] = channel
         try:
             return await self.engine.run(lambda: fn(*args))
@@ -77,16 +85,37 @@ class AsyncWorker:
         q = self._queue(channel)
         while True:
             item = await q.get() if self._dead is None else self._dead
+            if item is _RETIRED:
+                return
             if isinstance(item, BaseException):
                 raise RuntimeError(f"the worker's engine loop died: {type(item).__name__}: {item}")
             batch = list(item)
             while not q.empty():
                 more = q.get_nowait()
-                if isinstance(more, BaseException):  # after this batch: what came before it first
+                if isinstance(more, BaseException) or more is _RETIRED:  # after this batch: what came before it first
                     q.put_nowait(more)
                     break
                 batch += more
             yield batch
+
+    async def retire(self, router: str, incarnation: str) -> int:
+        """`router` (its channels `<router>/<incarnation>-...`) now runs as `incarnation`: cancel
+        every request open on the router's channels of any other incarnation, drop those
+        channels (their output streams end) and refuse new requests on them. Returns how many
+        requests were cancelled."""
+        self._bind_loop()
+        with self._lock:
+            self._incarnations[router] = incarnation
+            stale = [rid for rid, ch in self._routes.items() if _retired(ch, self._incarnations)]
+            for rid in stale:  # their final "abort" outputs go nowhere
+                del self._routes[rid]
+            channels = [ch for ch in self._channels if _retired(ch, self._incarnations)]
+        for ch in channels:
+            self._channels.pop(ch).put_nowait(_RETIRED)
+        if stale:
+            cancel = self.worker.cancel
+            await self.engine.run(lambda: [cancel(rid) for rid in stale])
+        return len(stale)
 
     async def load(self) -> WorkerLoad:
         load = await self.engine.run(self.worker.load)
@@ -137,7 +166,8 @@ class AsyncWorker:
 
     def _deliver(self, by_channel: dict[str, list]) -> None:
         for channel, outs in by_channel.items():
-            self._queue(channel).put_nowait(outs)
+            if not _retired(channel, self._incarnations):
+                self._queue(channel).put_nowait(outs)
 
     def _queue(self, channel: str) -> asyncio.Queue:
         q = self._channels.get(channel)
@@ -148,6 +178,16 @@ class AsyncWorker:
     def _bind_loop(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
+
+
+_RETIRED = object()  # ends a retired channel's output stream
+
+
+def _retired(channel: str, incarnations: dict[str, str]) -> bool:
+    """Whether `channel` belongs to an older incarnation of a router that has come back."""
+    router, sep, rest = channel.partition("/")
+    current = incarnations.get(router) if sep else None
+    return current is not None and not rest.startswith(current + "-")
 
 
 def _request_id(first_arg: Any) -> str:

@@ -49,9 +49,12 @@ class InProcess:
 
 
 class WorkerHandle:
-    def __init__(self, remote: Remote, worker_id: str, pool: str, role: str) -> None:
+    def __init__(self, remote: Remote, worker_id: str, pool: str, role: str, channel_prefix: str = "") -> None:
+        """`channel_prefix`: the router's identity and incarnation ("router-0/3f2a9c1b"); its
+        channel on the worker is then `<prefix>-<worker_id>`, which a later incarnation of the
+        same router can retire (engine.async_worker.AsyncWorker.retire)."""
         self.remote, self.worker_id, self.pool, self.role = remote, worker_id, pool, role
-        self.channel = f"{worker_id}-{uuid.uuid4().hex[:12]}"
+        self.channel = f"{channel_prefix}-{worker_id}" if channel_prefix else f"{worker_id}-{uuid.uuid4().hex[:12]}"
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._lost: BaseException | None = None  # why the output stream last failed (the worker was lost)

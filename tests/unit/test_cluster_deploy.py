@@ -58,6 +58,7 @@ def test_kuberay_manifest_is_valid_kubernetes():
     version = kv.latest_version()
     docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text())}
     kv.validate(docs["ConfigMap"], version, strict=True)
+    kv.validate(docs["Service"], version, strict=True)
     spec = docs["RayCluster"]["spec"]
     templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
     for t in templates:
@@ -67,6 +68,21 @@ def test_kuberay_manifest_is_valid_kubernetes():
            "template": {**templates[0], "spec": {**templates[0]["spec"], "volumes": [{"name": "x", "secrte": {}}]}}}
     with pytest.raises(kv.ValidationError):  # the validator does catch a misspelt field
         kv.validate(bad, version, strict=True)
+
+
+def test_kuberay_service_reaches_every_router_on_the_head():
+    """router.replicas routers on the head pod, router i on port+i and http_port+i: the head
+    container names each port, and the Service in front selects the head pod and maps each."""
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kuberay.yaml").read_text())}
+    r = ClusterConfig.model_validate(yaml.safe_load(docs["ConfigMap"]["data"]["cluster.yaml"])).router
+    assert r.replicas >= 2 and r.max_restarts >= 1
+    want = {f"grpc-{i}": r.port + i for i in range(r.replicas)} | {f"http-{i}": r.http_port + i
+                                                                     for i in range(r.replicas)}
+    head = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in head["ports"]} == want
+    svc = docs["Service"]["spec"]
+    assert svc["selector"] == {"ray.io/cluster": docs["RayCluster"]["metadata"]["name"], "ray.io/node-type": "head"}
+    assert {p["targetPort"]: p["port"] for p in svc["ports"]} == want
 
 
 def test_dockerfile_serves():
