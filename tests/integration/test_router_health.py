@@ -1,5 +1,5 @@
 """A worker busy in a long engine step answers its load late; the router must keep placing on
-it (late is not dead) and take it out of placement only after `unresponsive_after_s` of
+it (late is not dead) and take it out of placement only after `worker_timeout_s` of
 silence. Real in-process prefill and decode workers (tiny llama, local KV transfer) behind the
 real gRPC router; the prefill worker's engine thread is held busy for a fixed time, which is
 what a multi-second prefill step does to it (its load is answered between steps).
@@ -67,7 +67,7 @@ def test_busy_prefill_worker_is_late_not_dead(router):
 
 def test_silent_prefill_worker_leaves_placement_then_returns(router):
     server, ph, workers = router
-    server.service.dispatcher.unresponsive_after_s = 0.3
+    server.service.dispatcher.worker_timeout_s = 0.3
     busy = hold_engine_thread(ph, 2.5)
     view = server.service.dispatcher.views["prefill-0"]
     wait_until(lambda: not view.healthy, 5, 0.01, "prefill-0 out of placement")
