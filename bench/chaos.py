@@ -288,8 +288,12 @@ class Chaos:
                 self.log(f"chaos [{self.s.transport}]: {name} ...")
                 try:
                     if name.startswith("hang-"):
+                        from types import SimpleNamespace
+
                         from bench import chaos_hang
 
+                        self.tools = SimpleNamespace(Outcome=Outcome, generate_call=generate_call, _until=_until,
+                                                     _until_async=_until_async, _worker=_worker, _cmdline=_cmdline)
                         await getattr(chaos_hang, "scenario_" + name.replace("-", "_"))(self, row)
                     else:
                         await getattr(self, "scenario_" + name.replace("-", "_"))(row)

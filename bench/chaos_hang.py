@@ -24,11 +24,13 @@ import time
 from typing import Any
 
 HANGS = ("hang-decode", "hang-prefill")
+# The suite's own helpers reach these functions as `ch.tools` (bench.chaos passes its module's
+# Outcome, generate_call, _until, _until_async, _worker, _cmdline): this module imports nothing of
+# bench.chaos, which imports it.
 
 
 async def _stop(ch, row, wid: str) -> tuple[float, int]:
-    from bench.chaos import _cmdline, _worker
-
+    _cmdline, _worker = ch.tools._cmdline, ch.tools._worker
     w = _worker(await ch.status(), wid)
     if not w.pid or w.node not in ("127.0.0.1", ""):
         raise RuntimeError(f"{wid} has no local pid to stop (pid {w.pid}, node {w.node!r})")
@@ -43,8 +45,7 @@ async def _stop(ch, row, wid: str) -> tuple[float, int]:
 
 async def _state_within(ch, wid: str, want, bound_s: float) -> float | None:
     """Seconds until `want(worker status)` holds, polled every 50 ms, or None past bound_s."""
-    from bench.chaos import _worker
-
+    _worker = ch.tools._worker
     t0 = time.monotonic()
     while time.monotonic() - t0 < bound_s:
         try:
@@ -88,8 +89,7 @@ async def _hang(ch, row, victim: str, tasks: list, outs: list) -> None:
 
 
 async def scenario_hang_decode(ch, row) -> None:
-    from bench.chaos import Outcome, generate_call
-
+    Outcome, generate_call, _until = ch.tools.Outcome, ch.tools.generate_call, ch.tools._until
     f = ch.fuzzer
     victim = ch.decodes[0]
     survivor = next((d for d in ch.decodes if d != victim), "")
@@ -102,8 +102,6 @@ async def scenario_hang_decode(ch, row) -> None:
     outs = [Outcome() for _ in specs]
     tasks = [asyncio.ensure_future(generate_call(ch.chan(i), r.SerializeToString(), ch.s.call_timeout_s, out=outs[i]))
              for i, (r, _) in enumerate(specs)]
-    from bench.chaos import _until
-
     await _until(lambda: all(len(o.chunks) >= 2 or o.done for o in outs), 120)
     if any(o.done for o in outs):
         row.notes.append(f"{sum(o.done for o in outs)} streams ended before the stop (too few --stream-tokens?)")
@@ -123,8 +121,7 @@ async def scenario_hang_decode(ch, row) -> None:
 
 
 async def scenario_hang_prefill(ch, row) -> None:
-    from bench.chaos import Outcome, _until_async, generate_call
-
+    Outcome, generate_call, _until_async = ch.tools.Outcome, ch.tools.generate_call, ch.tools._until_async
     f = ch.fuzzer
     if not ch.prefills:
         row.notes.append("no prefill pool")
