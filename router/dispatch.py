@@ -75,6 +75,7 @@ from router.handles import WorkerHandle, WorkerUnresponsive
 from router.policy import PlacementPolicy, WorkerView
 
 WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
+_WATCHED = ("starting", "serving", "spare")  # the states that silence for worker_timeout_s ends
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,10 @@ class Dispatcher:
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
-        """Wait up to timeout_s for each worker's load. A call still pending then is left
-        running for the next refresh (the worker is mid-step); see the module docstring."""
+        """Keep one load call pending per worker and wait up to timeout_s for the answers of the
+        workers in (or waiting for) placement; a call still pending then is left running (the
+        worker is mid-step; see the module docstring). Answers are taken the moment they come
+        (`_answer`), so a replaced or woken worker is warmed up without waiting for a refresh."""
         async def one(wid: str, handle) -> None:
             view = self.views[wid]
             lost = handle.take_lost()
@@ -185,33 +188,34 @@ class Dispatcher:
             call = self._load_calls.get(wid)
             if call is None:
                 call = self._load_calls[wid] = asyncio.ensure_future(handle.load())
-            watched = view.state in ("starting", "serving", "spare")  # what silence takes out of placement
-            # a watched worker is judged the moment its worker_timeout_s runs out; an unresponsive one
-            # is not waited for (its answer is picked up by the next refresh)
-            wait = timeout_s if watched else (0.0 if view.state == "unresponsive" else timeout_s)
-            if watched:
-                wait = min(wait, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
-            try:
-                if wait <= 0 and not call.done():
-                    raise asyncio.TimeoutError
-                load = await asyncio.wait_for(asyncio.shield(call), wait)
-            except asyncio.TimeoutError:
-                silent = time.monotonic() - self._heard(wid)
-                if silent >= self.worker_timeout_s and view.state in ("starting", "serving", "spare"):
-                    self._unresponsive(wid, silent)
+                call.add_done_callback(lambda c, wid=wid: self._answer(wid, c))
+            if view.state not in _WATCHED:  # out of placement: nothing to judge, nothing to wait for
                 return
-            except Exception as exc:  # the worker's process or actor is gone: out of placement
-                # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
-                # once it gave up; anything else (its engine loop died in a live process) is dead too
-                state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
-                self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
-            else:
-                self._answered[wid] = time.monotonic()
-                self._loaded(wid, view, load)
-            if self._load_calls.get(wid) is call:
-                del self._load_calls[wid]
+            # judged the moment its worker_timeout_s runs out, whatever timeout_s is
+            wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
+            await asyncio.wait((call,), timeout=wait)
+            silent = time.monotonic() - self._heard(wid)
+            if not call.done() and silent >= self.worker_timeout_s and view.state in _WATCHED:
+                self._unresponsive(wid, silent)
 
         await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
+        await asyncio.sleep(0)  # the done callbacks of calls that just completed
+
+    def _answer(self, wid: str, call: asyncio.Future) -> None:
+        """A worker's load call completed: its load, or why it is out of placement."""
+        if self._load_calls.get(wid) is call:
+            del self._load_calls[wid]
+        if call.cancelled():  # the router is stopping
+            return
+        view, exc = self.views[wid], call.exception()
+        if exc is None:
+            self._answered[wid] = time.monotonic()
+            self._loaded(wid, view, call.result())
+        elif isinstance(exc, Exception):  # the worker's process or actor is gone: out of placement
+            # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
+            # once it gave up; anything else (its engine loop died in a live process) is dead too
+            state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
+            self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
 
     def _heard(self, wid: str) -> float:
         """When the worker last showed life: a load answer or an output (or the router's start)."""
