@@ -72,6 +72,9 @@ def test_silent_prefill_worker_leaves_placement_then_returns(router):
     view = server.service.dispatcher.views["prefill-0"]
     wait_until(lambda: not view.healthy, 5, 0.01, "prefill-0 out of placement")
     assert "no load answer" in view.error
+    states = {dict(k[1])["state"]: v for k, v in scrape(server.metrics_url).items()
+              if k[0] == "pdcluster_worker_state" and dict(k[1])["worker"] == "prefill-0"}
+    assert states["unresponsive"] == 1.0 and sum(states.values()) == 1.0, states
     with pytest.raises(grpc.RpcError) as err:
         collect(stub(server), request())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()
