@@ -24,10 +24,15 @@ on 127.0.0.1 only) and runs scenarios against the router's gRPC endpoint:
   kill-router           kill -9 of the router's process while greedy streams run through it
                         (bench/chaos_router.py): the streams end UNAVAILABLE after a prefix of
                         the reference tokens, the router serves again on the same port.
+  hang-decode           SIGSTOP of a decode worker for 2x router.worker_timeout_s while greedy
+                        streams decode on it, then SIGCONT (bench/chaos_hang.py).
+  hang-prefill          the same for a prefill worker while long prompts are being prefilled.
 
 In the kill scenarios a trickle of short requests keeps arriving from just before the kill until
 the worker is back. The pid comes from ClusterStatus; Ray restarts the process and the router
-warms it up: the time to recover runs from the kill to the worker's state "serving" again.
+warms it up: the time to recover runs from the kill to the worker's state "serving" again, and a
+recovery slower than RECOVERY_TARGET_S makes the row unclean. In the hang scenarios it runs from
+SIGCONT to "serving" (the same process, warmed up again).
 
 After every scenario it waits (condition-based, bounded) until no request is in flight anywhere
 and checks every worker's free_pages == total_pages (a page that only holds a prefix-cache entry
@@ -55,13 +60,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "kill-prefill", "kill-decode-transfer", "kill-decode-stream",
-             "kill-router")
+             "kill-router", "hang-decode", "hang-prefill")
 GENERATE = "/pdcluster.v1.Inference/Generate"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 WATCHDOG_S = 15.0        # a call with no status this long after its own deadline is a hang
 NEVER = ("UNKNOWN", "INTERNAL")  # never a right answer in any scenario
-KILLS = ("kill-prefill", "kill-decode-transfer", "kill-decode-stream")
+KILLS = ("kill-prefill", "kill-decode-transfer", "kill-decode-stream", "hang-decode", "hang-prefill")
+RECOVERY_TARGET_S = 15.0  # a killed worker serves again within this (issue 34); slower is a failure
 
 
 # ---- settings and results -----------------------------------------------------------------------
@@ -89,6 +95,7 @@ class ChaosSettings:
     call_timeout_s: float = 120.0
     idle_bound_s: float = 90.0   # bound on the wait for "nothing in flight, every page free"
     recover_bound_s: float = 180.0
+    worker_timeout_s: float = 10.0  # router.worker_timeout_s; the hang scenarios stop a worker for twice this
     log: Callable[[str], None] | None = None
 
 
@@ -123,7 +130,8 @@ class Row:
     @property
     def clean(self) -> bool:
         return not (self.crashed or self.wrong_codes or self.bad_responses or self.hangs or self.lost
-                    or self.stuck_requests or self.leaked_pages or self.replaced != self.killed)
+                    or self.stuck_requests or self.leaked_pages or self.replaced != self.killed
+                    or (self.recover_s_max or 0.0) > RECOVERY_TARGET_S)
 
 
 @dataclass
@@ -228,6 +236,7 @@ def cluster_config(s: ChaosSettings):
     cfg = ClusterConfig.embedded(model=s.model, prefill=s.prefill, decode=s.decode, transport=s.transport,
                                  port=0, engine=engine)
     cfg.router.max_inflight, cfg.router.max_queue = s.max_inflight, s.max_queue
+    cfg.router.worker_timeout_s = s.worker_timeout_s
     return cfg
 
 
@@ -281,7 +290,16 @@ class Chaos:
                 t0 = time.monotonic()
                 self.log(f"chaos [{self.s.transport}]: {name} ...")
                 try:
-                    await getattr(self, "scenario_" + name.replace("-", "_"))(row)
+                    if name.startswith("hang-"):
+                        from types import SimpleNamespace
+
+                        from bench import chaos_hang
+
+                        self.tools = SimpleNamespace(Outcome=Outcome, generate_call=generate_call, _until=_until,
+                                                     _until_async=_until_async, _worker=_worker, _cmdline=_cmdline)
+                        await getattr(chaos_hang, "scenario_" + name.replace("-", "_"))(self, row)
+                    else:
+                        await getattr(self, "scenario_" + name.replace("-", "_"))(row)
                 except Exception as exc:  # the suite's own failure: reported, the next scenario still runs
                     import traceback
 

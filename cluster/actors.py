@@ -116,6 +116,12 @@ class RayActor:
             yield await ref
 
 
+def spare_ids(config) -> list[str]:
+    """The worker ids that start as hot spares: in each pool, those past its `replicas`
+    (cluster.runtime starts `replicas + spare_replicas` workers, named pool-0, pool-1, ...)."""
+    return [f"{p.name}-{i}" for p in config.pools for i in range(p.replicas, p.replicas + p.spare_replicas)]
+
+
 class RouterActor:
     """Hosts the gRPC server on the actor's event loop; workers are reached via Ray handles.
 
@@ -170,7 +176,8 @@ class RouterActor:
                                    max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
                                    migration_wait_s=r.migration_wait_s, warm_up=True, http_port=http_port,
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
-                                   tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None)
+                                   tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None,
+                                   worker_timeout_s=r.worker_timeout_s, spares=spare_ids(cfg))
         self.server.metrics_port = metrics_port
         address = await self.server.start()
         freeze_startup_heap()

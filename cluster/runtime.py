@@ -87,12 +87,12 @@ class Cluster:
         cfg = self.config
         resolve_model(cfg.model)  # a built-in model is written here once, before any actor reads it
         if self.address is None:
-            need_cpus = (sum(p.resources.num_cpus * p.replicas for p in cfg.pools)
+            need_cpus = (sum(p.resources.num_cpus * (p.replicas + p.spare_replicas) for p in cfg.pools)
                          + cfg.router.num_cpus * cfg.router.replicas)
             custom: dict[str, float] = {}
             for p in cfg.pools:
                 for k, v in p.resources.custom.items():
-                    custom[k] = custom.get(k, 0.0) + v * p.replicas
+                    custom[k] = custom.get(k, 0.0) + v * (p.replicas + p.spare_replicas)
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=int(need_cpus + 0.999),
                      resources=custom or None, log_to_driver=False,
                      runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
@@ -108,11 +108,12 @@ class Cluster:
         try:
             for pool in cfg.pools:
                 bundle = pool.resources.bundle() or {"CPU": 0.001}
-                pg = placement_group([dict(bundle) for _ in range(pool.replicas)], strategy=pool.placement_strategy,
+                n = pool.replicas + pool.spare_replicas  # hot spares: workers pool-<replicas>, ... (cluster.actors)
+                pg = placement_group([dict(bundle) for _ in range(n)], strategy=pool.placement_strategy,
                                      name=f"pdcluster-{pool.name}")
                 self._pgs.append(pg)
                 ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
-                for i in range(pool.replicas):
+                for i in range(n):
                     self.workers.append(self._start_worker(pool, i, pg, local, PlacementGroupSchedulingStrategy))
             ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]

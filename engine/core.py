@@ -395,8 +395,39 @@ def _check_positive(**values: int) -> None:
 
 
 def _load_tokenizer(model_dir: Path):
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if (model_dir / "tokenizer.json").is_file():  # a fast tokenizer: no transformers import (seconds of start-up)
+        return _FastTokenizer(model_dir)
+    if not any((model_dir / f).is_file() for f in ("tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class _FastTokenizer:
+    """What the engine asks of a tokenizer (`encode` without special tokens, `eos_token_id`, the
+    Rust `backend_tokenizer` its detokenizer decodes with), from a checkpoint's tokenizer.json
+    read with `tokenizers` itself: transformers' fast tokenizer wraps the same object, and
+    importing transformers is most of a worker's start-up after torch."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import json
+
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        specials: dict = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            path = model_dir / name
+            if path.is_file():
+                specials.update(json.loads(path.read_text(encoding="utf-8")))
+        eos = specials.get("eos_token")
+        if isinstance(eos, dict):  # an AddedToken's fields
+            eos = eos.get("content")
+        self.eos_token_id = self.backend_tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_: object) -> str:
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,7 +6,9 @@ not match the config, fails the load with the tensor's name.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -69,6 +71,30 @@ def _fused_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return names
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's initializers do nothing inside (modules built here get every tensor
+    from the checkpoint)."""
+    with _init_lock:
+        saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+        try:
+            for name in _INITS:
+                setattr(torch.nn.init, name, _keep)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.nn.init, name, fn)
+
+
+def _keep(tensor, *args, **kwargs):
+    return tensor
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> DecoderLM:
     model_dir = Path(model_dir)
     tensors = read_tensors(model_dir)
@@ -83,7 +109,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     if unexpected:
         raise UnsupportedModelError(f"{model_dir}: checkpoint has tensors this engine does not use, e.g. {unexpected[:5]}")
 
-    with torch.device("meta"):
+    # Parameters on the meta device (no memory), left uninitialized: the checkpoint's tensors are
+    # assigned below. An init on meta runs torch's Python reference kernels, whose first use
+    # imports torch._dynamo: 2 s or more of every worker's start-up (and of a restart).
+    with torch.device("meta"), _no_init():
         model = DecoderLM(cfg, dtype, max_positions)
     state = {}
     params = dict(model.named_parameters())

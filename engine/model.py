@@ -89,7 +89,8 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
+        with torch.device("cpu"):  # computed, never on meta (engine.loader: it sets the real device's table)
+            self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn: AttentionBackend, kv_caches: list[torch.Tensor],

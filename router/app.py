@@ -19,14 +19,15 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
                  max_model_len: int | None = None, max_inflight: int = 64, max_queue: int = 256,
                  max_prefill_attempts: int = 2, migration_limit: int = 2, migration_wait_s: float = 60.0,
                  limits: FrontendLimits | None = None, warm_up: bool = False,
-                 http_port: int | None = None, access: Access | None = None, tls: Tls | None = None) -> RouterServer:
+                 http_port: int | None = None, access: Access | None = None, tls: Tls | None = None,
+                 worker_timeout_s: float = 10.0, spares: Sequence[str] = ()) -> RouterServer:
     from engine.config import ModelConfig
 
     frontend = Frontend.from_model(model, hash_page_size=hash_page_size, max_model_len=max_model_len, limits=limits)
     cfg = ModelConfig.from_pretrained(frontend.model_dir)
     dispatcher = Dispatcher(prefills, decodes, make_policy(policy, hash_page_size),
                             max_prefill_attempts=max_prefill_attempts, migration_limit=migration_limit,
-                            migration_wait_s=migration_wait_s)
+                            migration_wait_s=migration_wait_s, worker_timeout_s=worker_timeout_s, spares=spares)
     eos = list(cfg.eos_token_ids) or ([frontend.tokenizer.eos_token_id] if frontend.tokenizer.eos_token_id is not None else [])
     service = InferenceService(frontend, dispatcher, model_id=frontend.model_dir.name, architecture=cfg.architecture,
                                eos_token_ids=eos, max_inflight=max_inflight, max_queue=max_queue)

@@ -13,9 +13,28 @@ copy, so the text stays exactly what a colocated run produces.
 Health: a worker's load is answered between its engine steps, so a worker in a long step
 (a 2,048-token prefill chunk takes seconds on a CPU) answers late. Late is not dead: one load
 call per worker stays pending across refreshes, the worker keeps its last load and stays
-healthy, and only an error from the call (its process or actor is gone) or silence longer than
-`unresponsive_after_s` takes it out of placement. (Treating a 2 s timeout as death failed
-requests with UNAVAILABLE "no healthy prefill worker" while the only prefill worker was busy.)
+healthy. (Treating a 2 s timeout as death failed requests with UNAVAILABLE "no healthy prefill
+worker" while the only prefill worker was busy.) A worker is out of placement when:
+
+  - its load call or its output stream fails (its process or actor is gone): `replacing` while
+    Ray restarts it (noticed the moment the output stream fails, not at the next refresh), or
+    `dead`;
+  - it answers nothing for `worker_timeout_s`: no load answer AND no output on its output
+    stream (a worker streaming outputs is stepping, however late its load) -> `unresponsive`
+    (a process stopped, deadlocked or swapped out; an engine step longer than worker_timeout_s
+    counts as a hang too). Its handle is fenced at once (router.handles): every request open
+    on it fails as if the worker were lost, so its decode streams migrate and its prefills
+    move to another prefill worker; what it sends later for them is ignored, and their cancels
+    are sent the moment it answers again, which frees their pages.
+
+A worker that answers again after either (a new process, or the same one waking up) is
+warmed up (one request through each of its prefill/decode pairs) before it is placed on again;
+a failed warm-up is retried at once the first time, then with a backoff.
+
+Hot spares: workers named in `spares` are loaded and warmed up but not placed on (`spare`).
+Each pool keeps as many serving workers as it started with: when one leaves placement (lost,
+replacing, unresponsive) a spare of its pool is promoted at once, and a worker that comes back
+to a pool that is full again becomes a spare.
 
 A prefill worker that fails before the first token (error result or a dead worker) gets the
 request retried on another one, under a new worker-side id (`RID.TAG~N`) and fresh decode pages:
@@ -52,10 +71,11 @@ from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
-from router.handles import WorkerHandle
+from router.handles import WorkerHandle, WorkerUnresponsive
 from router.policy import PlacementPolicy, WorkerView
 
 WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
+_WATCHED = ("starting", "serving", "spare")  # the states that silence for worker_timeout_s ends
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +137,8 @@ class _DecodeLost(Exception):
 
 class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
-                 *, max_prefill_attempts: int = 2, unresponsive_after_s: float = 30.0, migration_limit: int = 2,
-                 migration_wait_s: float = 60.0) -> None:
+                 *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
+                 migration_wait_s: float = 60.0, spares: Sequence[str] = ()) -> None:
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -127,9 +147,20 @@ class Dispatcher:
         self.views.update({h.worker_id: WorkerView(h.worker_id, h.pool, h.role) for h in decodes})
         self.policy = policy
         self.max_prefill_attempts = max_prefill_attempts
-        if not unresponsive_after_s > 0:
-            raise ValueError(f"unresponsive_after_s must be > 0, got {unresponsive_after_s}")
-        self.unresponsive_after_s = unresponsive_after_s
+        if not worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {worker_timeout_s}")
+        self.worker_timeout_s = worker_timeout_s
+        unknown = set(spares) - set(self.views)
+        if unknown:
+            raise ValueError(f"spares must name workers of the router, got {sorted(unknown)}")
+        self.spares = frozenset(spares)
+        # how many serving workers each pool keeps (spares are promoted to keep it)
+        self.serving_target: dict[str, int] = {}
+        for v in self.views.values():
+            self.serving_target[v.pool] = self.serving_target.get(v.pool, 0) + (v.worker_id not in self.spares)
+        self.handles = {**self.prefills, **self.decodes}
+        for wid, h in self.handles.items():
+            h.on_lost = lambda exc, wid=wid: self._lost(wid, exc)
         if not 0 <= migration_limit <= 16:
             raise ValueError(f"migration_limit must be in [0, 16], got {migration_limit}")
         if not migration_wait_s > 0:
@@ -141,44 +172,99 @@ class Dispatcher:
         self._load_calls: dict[str, asyncio.Task] = {}  # at most one pending load() per worker
         self._answered: dict[str, float] = {}           # when each worker's load last answered
         self._warming: dict[str, asyncio.Task] = {}     # restarted workers being warmed up
+        self._silent_since: dict[str, float] = {}       # unresponsive workers: since when they answer nothing
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
-        """Wait up to timeout_s for each worker's load. A call still pending then is left
-        running for the next refresh (the worker is mid-step); see the module docstring."""
+        """Keep one load call pending per worker and wait up to timeout_s for the answers of the
+        workers in (or waiting for) placement; a call still pending then is left running (the
+        worker is mid-step; see the module docstring). Answers are taken the moment they come
+        (`_answer`), so a replaced or woken worker is warmed up without waiting for a refresh."""
         async def one(wid: str, handle) -> None:
             view = self.views[wid]
             lost = handle.take_lost()
-            if lost is not None and view.state != "dead":  # its output stream failed: the process is gone
+            if lost is not None and view.state not in ("dead", "replacing"):  # its output stream failed
                 self._out(view, "replacing", f"lost: {type(lost).__name__}: {_first_line(lost)}")
             call = self._load_calls.get(wid)
             if call is None:
                 call = self._load_calls[wid] = asyncio.ensure_future(handle.load())
-            try:
-                load = await asyncio.wait_for(asyncio.shield(call), timeout_s)
-            except asyncio.TimeoutError:
-                silent = time.monotonic() - self._answered.get(wid, self._started)
-                if silent > self.unresponsive_after_s and view.healthy:
-                    self._out(view, view.state, f"no load answer for {silent:.1f} s "
-                                                f"(unresponsive_after_s={self.unresponsive_after_s:g})")
+                call.add_done_callback(lambda c, wid=wid: self._answer(wid, c))
+            if view.state not in _WATCHED:  # out of placement: nothing to judge, nothing to wait for
                 return
-            except Exception as exc:  # the worker's process or actor is gone: out of placement
-                # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
-                # once it gave up; anything else (its engine loop died in a live process) is dead too
-                state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
-                self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
-            else:
-                self._answered[wid] = time.monotonic()
-                self._loaded(wid, view, load)
-            if self._load_calls.get(wid) is call:
-                del self._load_calls[wid]
+            # judged the moment its worker_timeout_s runs out, whatever timeout_s is
+            wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
+            await asyncio.wait((call,), timeout=wait)
+            silent = time.monotonic() - self._heard(wid)
+            if not call.done() and silent >= self.worker_timeout_s and view.state in _WATCHED:
+                self._unresponsive(wid, silent)
 
         await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
+        await asyncio.sleep(0)  # the done callbacks of calls that just completed
+
+    def _answer(self, wid: str, call: asyncio.Future) -> None:
+        """A worker's load call completed: its load, or why it is out of placement."""
+        if self._load_calls.get(wid) is call:
+            del self._load_calls[wid]
+        if call.cancelled():  # the router is stopping
+            return
+        view, exc = self.views[wid], call.exception()
+        if exc is None:
+            self._answered[wid] = time.monotonic()
+            self._loaded(wid, view, call.result())
+        elif isinstance(exc, Exception):  # the worker's process or actor is gone: out of placement
+            # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
+            # once it gave up; anything else (its engine loop died in a live process) is dead too
+            state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
+            self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
+
+    def _heard(self, wid: str) -> float:
+        """When the worker last showed life: a load answer or an output (or the router's start)."""
+        return max(self._answered.get(wid, self._started), self.handles[wid].last_output, self._started)
+
+    def _unresponsive(self, wid: str, silent: float) -> None:
+        """It answered nothing for worker_timeout_s: out of placement, and every request open on
+        it fails now (its streams migrate, its prefills move): router.handles fences it."""
+        view = self.views[wid]
+        why = (f"unresponsive: no load answer and no output for {silent:.1f} s "
+               f"(worker_timeout_s={self.worker_timeout_s:g})")
+        self._silent_since[wid] = self._heard(wid)
+        self._out(view, "unresponsive", why)
+        failed = self.handles[wid].fence(WorkerUnresponsive(f"worker {wid} {why}"))
+        log.warning("worker %s is %s; %d request(s) open on it failed over", wid, why, failed)
+
+    def _lost(self, wid: str, exc: BaseException) -> None:
+        """Its output stream failed (its process is gone): out of placement at once."""
+        view = self.views[wid]
+        if view.state not in ("dead", "replacing"):
+            self._out(view, "replacing", f"lost: {type(exc).__name__}: {_first_line(exc)}")
 
     def _out(self, view: WorkerView, state: str, error: str) -> None:
+        was = view.state
         view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
         if state == "dead":  # streams waiting for this worker's return give up
             self._wake()
+        if was == "serving":
+            self._promote(view.pool)
+
+    def _serving_count(self, pool: str) -> int:
+        return sum(1 for v in self.views.values() if v.pool == pool and v.state == "serving")
+
+    def _promote(self, pool: str) -> None:
+        """Spares of `pool` take the places of its workers out of placement, at once."""
+        for v in self.views.values():
+            if self._serving_count(pool) >= self.serving_target[pool]:
+                return
+            if v.pool == pool and v.state == "spare":
+                self._serving(v)
+                log.warning("spare %s of pool %s promoted to serving", v.worker_id, pool)
+
+    def _fit(self, view: WorkerView) -> None:
+        """A worker fit for placement serves if its pool is short of serving workers, else it
+        stands by as a spare."""
+        if self._serving_count(view.pool) >= self.serving_target[view.pool]:
+            view.healthy, view.error, view.state = False, "", "spare"
+        else:
+            self._serving(view)
 
     def _wake(self) -> None:
         """Wake the streams waiting for a worker (_wait_for)."""
@@ -194,15 +280,22 @@ class Dispatcher:
             if view.state != "replacing":
                 self._out(view, "replacing", f"restarted: process {view.pid} -> {load.pid}")
         view.pid, view.node = load.pid, load.node
-        if view.state in ("replacing", "dead"):
-            view.state = "replacing"
+        if view.state in ("replacing", "dead", "unresponsive"):
+            if view.state == "unresponsive":
+                silent = time.monotonic() - self._silent_since.pop(wid, self._started)
+                view.last_error = view.error = (f"unresponsive for {silent:.1f} s (no load answer, no output; "
+                                                f"worker_timeout_s={self.worker_timeout_s:g}); warming up")
+            view.state = "replacing" if view.state == "dead" else view.state
             if wid not in self._warming:
                 task = asyncio.get_running_loop().create_task(self._rejoin(wid))
                 self._warming[wid] = task
                 task.add_done_callback(lambda t, wid=wid: self._warming.pop(wid, None))
             return
-        if not view.healthy or view.state != "serving":  # first answer ("starting"), or back after silence
-            self._serving(view)
+        if view.state == "starting":  # its first answer
+            if wid in self.spares:
+                view.healthy, view.state = False, "spare"
+            else:
+                self._fit(view)
         view.error = ""
 
     def _serving(self, view: WorkerView) -> None:
@@ -210,19 +303,29 @@ class Dispatcher:
         self._wake()
 
     async def _rejoin(self, wid: str) -> None:
+        """A worker answering again (a new process, or one that was unresponsive): the cancels it
+        is owed first (their pages come back), then a warm-up through its pairs, then placement."""
         view = self.views[wid]
+        t0 = time.monotonic()
         try:
+            failed = await self.handles[wid].unfence()
+            if failed:
+                log.warning("worker %s: cancels of %d fenced request(s) failed: %s", wid, len(failed), failed[:4])
             await self.warm_up(WARM_UP_PROMPT, only=wid)
         except Exception as exc:
             view.failed_rejoins += 1
-            wait = min(2.0 ** (view.failed_rejoins - 1), 30.0)  # a worker failing its warm-up backs off
+            # the first failure is retried by the next refresh at once; then a backoff
+            wait = 0.0 if view.failed_rejoins == 1 else min(2.0 ** (view.failed_rejoins - 2), 30.0)
             view.error = view.last_error = (f"warm-up after a restart failed {view.failed_rejoins} time(s), next try in "
                                             f"{wait:g} s: {_first_line(exc)}")[:300]
-            await asyncio.sleep(wait)  # the next load refresh after it tries again
+            if view.state == "unresponsive":  # the same process: tried again as one that is being replaced
+                view.state = "replacing"
+            await asyncio.sleep(wait)
             return
         view.failed_rejoins = 0
-        self._serving(view)
-        log.warning("worker %s is back in placement (restart %d)", wid, view.restarts)
+        self._fit(view)
+        log.warning("worker %s is back (%s) after a %.2f s warm-up (restart %d)", wid, view.state,
+                    time.monotonic() - t0, view.restarts)
 
     def _candidates(self, ids, exclude=()) -> list[WorkerView]:
         return [self.views[w] for w in ids if w not in exclude and self.views[w].healthy]
@@ -436,7 +539,8 @@ class Dispatcher:
                 result = PrefillResult(rid, None, len(prompt), ok=False,
                                        error=f"prefill worker {pview.worker_id} lost: {type(exc).__name__}: "
                                              f"{_first_line(exc)}")
-                self._out(pview, "replacing", result.error)
+                if pview.healthy:  # (an unresponsive one was fenced: it stays unresponsive)
+                    self._out(pview, "replacing", result.error)
                 prefill_lost = True
             finally:
                 pview.inflight -= 1
@@ -477,8 +581,11 @@ class Dispatcher:
         they are skipped. Raises RuntimeError naming the pair that failed; returns the number
         of pairs warmed."""
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        def partner_ok(h: WorkerHandle) -> bool:  # warming one worker: with the partners fit for placement
+            return h.worker_id == only or self.views[h.worker_id].state in ("serving", "spare")
+
         pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"
-                 and (only is None or only in (p.worker_id, d.worker_id))]
+                 and (only is None or (only in (p.worker_id, d.worker_id) and partner_ok(p) and partner_ok(d)))]
         for prefill, decode in pairs:
             rid = f"warm-up:{prefill.worker_id}->{decode.worker_id}"
             try:

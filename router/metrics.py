@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.heap import GcPauseStats, gc_pauses
-from router.policy import WorkerView
+from router.policy import WORKER_STATES, WorkerView
 
 request_log = logging.getLogger("pdcluster.requests")
 
@@ -44,9 +44,13 @@ class WorkerCollector(Collector):
             ("worker_waiting_requests", "requests waiting on the worker (queued, for pages or for KV)"),
             ("prefix_cache_hit_rate", "prefix-cache hit rate, 0..1"),
             ("worker_healthy", "1 when the last load refresh answered"))}
+        state = GaugeMetricFamily("pdcluster_worker_state", "1 for the worker's state (docs/reliability.md), 0 for "
+                                  "the others", labels=[*labels, "state"])
         for v in list(self._views().values()):
             ld, lv = v.load, [v.worker_id, v.pool, v.role]
             fams["worker_healthy"].add_metric(lv, 1.0 if v.healthy else 0.0)
+            for s in WORKER_STATES:
+                state.add_metric([*lv, s], 1.0 if v.state == s else 0.0)
             if ld is None:
                 continue
             fams["kv_pages_total"].add_metric(lv, ld.total_pages)
@@ -56,6 +60,7 @@ class WorkerCollector(Collector):
             fams["worker_waiting_requests"].add_metric(lv, ld.waiting_requests)
             fams["prefix_cache_hit_rate"].add_metric(lv, ld.prefix_cache_hit_rate)
         yield from fams.values()
+        yield state
 
 
 class GcCollector(Collector):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.load import WorkerLoad
 
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+WORKER_STATES = ("starting", "serving", "spare", "replacing", "unresponsive", "dead")  # docs/reliability.md
 
 
 @dataclass(slots=True, eq=False)
@@ -29,7 +30,7 @@ class WorkerView:
     load: WorkerLoad | None = None    # the worker's latest report, refreshed in the background
     healthy: bool = True
     error: str = ""
-    state: str = "starting"           # starting, serving, replacing (lost, being restarted), dead
+    state: str = "starting"           # one of WORKER_STATES
     pid: int = 0
     node: str = ""
     restarts: int = 0

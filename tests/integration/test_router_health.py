@@ -1,5 +1,5 @@
 """A worker busy in a long engine step answers its load late; the router must keep placing on
-it (late is not dead) and take it out of placement only after `unresponsive_after_s` of
+it (late is not dead) and take it out of placement only after `worker_timeout_s` of
 silence. Real in-process prefill and decode workers (tiny llama, local KV transfer) behind the
 real gRPC router; the prefill worker's engine thread is held busy for a fixed time, which is
 what a multi-second prefill step does to it (its load is answered between steps).
@@ -67,11 +67,14 @@ def test_busy_prefill_worker_is_late_not_dead(router):
 
 def test_silent_prefill_worker_leaves_placement_then_returns(router):
     server, ph, workers = router
-    server.service.dispatcher.unresponsive_after_s = 0.3
+    server.service.dispatcher.worker_timeout_s = 0.3
     busy = hold_engine_thread(ph, 2.5)
     view = server.service.dispatcher.views["prefill-0"]
     wait_until(lambda: not view.healthy, 5, 0.01, "prefill-0 out of placement")
     assert "no load answer" in view.error
+    states = {dict(k[1])["state"]: v for k, v in scrape(server.metrics_url).items()
+              if k[0] == "pdcluster_worker_state" and dict(k[1])["worker"] == "prefill-0"}
+    assert states["unresponsive"] == 1.0 and sum(states.values()) == 1.0, states
     with pytest.raises(grpc.RpcError) as err:
         collect(stub(server), request())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy prefill worker" in err.value.details()

@@ -29,6 +29,13 @@ class FlakyPrefill:
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id, self.pool, self.role, self.calls = worker_id, "prefill", "prefill", 0
+        self.last_output, self.on_lost = 0.0, None  # (router.handles.WorkerHandle's liveness and loss hook)
+
+    def fence(self, exc):
+        return 0
+
+    async def unfence(self):
+        return []
 
     async def submit(self, task):
         if not task.request_id.startswith("warm-up"):  # the router warms a lost worker up before placing on it
