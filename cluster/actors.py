@@ -128,6 +128,7 @@ class RouterActor:
     async def start(self) -> str:
         from router.app import build_router
         from router.handles import WorkerHandle
+        from router.http_server import HttpLimits
         from router.security import Access, Tls
 
         cfg, r = self.config, self.config.router
@@ -139,7 +140,10 @@ class RouterActor:
                                    max_prefill_attempts=r.max_prefill_attempts, migration_limit=r.migration_limit,
                                    migration_wait_s=r.migration_wait_s, warm_up=True, http_port=r.http_port,
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
-                                   tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None)
+                                   tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None,
+                                   http_limits=HttpLimits(r.http_max_body_bytes, r.http_header_timeout_s,
+                                                          r.http_body_timeout_s, r.http_keep_alive_s,
+                                                          r.http_max_connections))
         self.server.metrics_port = r.metrics_port
         address = await self.server.start()
         freeze_startup_heap()
