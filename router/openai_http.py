@@ -211,7 +211,7 @@ def check_fields(body: dict, chat: bool) -> None:
             raise ApiError(f"{name} is not supported by this server" + ("" if name in UNSUPPORTED else
                            f" on /v1/{'chat/completions' if chat else 'completions'}"), param=name,
                            code="unsupported_parameter")
-        raise ApiError(f"unrecognized request argument: {name}", param=name, code="unknown_parameter")
+        raise ApiError(f"unrecognized request argument: {json.dumps(name)}", param=name, code="unknown_parameter")
     neutral = {"logit_bias": lambda v: v == {}, "response_format": lambda v: v == {"type": "text"},
                "modalities": lambda v: v == ["text"], "echo": lambda v: v is False, "suffix": lambda v: v == ""}
     for name, ok in neutral.items():
