@@ -127,16 +127,25 @@ def protocol_class(limits: HttpLimits):
 
     class Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _lingering = False
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(_LingeringTransport(transport, self))
             if len(self.connections) > limits.max_connections:
                 self.app = refuse  # its request, once its headers are in, gets 503 and the connection closes
             self._arm_header_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:  # the rest of a refused body: dropped
+                return
             super().data_received(data)
             self._headers_done()
+
+        def should_linger(self) -> bool:
+            """Closing while the client still sends its body (a 413, a 408): the answer would be
+            lost to the reset that unread data causes."""
+            return self.conn.their_state is h11.SEND_BODY or (self.conn.their_state is h11.IDLE and
+                                                               bool(self.conn.trailing_data[0]))
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -181,6 +190,36 @@ def protocol_class(limits: HttpLimits):
             self.transport.close()
 
     return Protocol
+
+
+LINGER_S = 2.0
+
+
+class _LingeringTransport:
+    """A transport whose close, while the client is still sending (a refused body), sends
+    the answer and a FIN and then drops what still comes for up to LINGER_S before closing:
+    closing at once with unread data resets the connection, and a client busy sending would
+    lose the 413 it was sent. What comes meanwhile is discarded, never buffered."""
+
+    def __init__(self, transport, protocol) -> None:
+        self._t, self._p = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def is_closing(self) -> bool:
+        return self._p._lingering or self._t.is_closing()
+
+    def close(self) -> None:
+        if self._p._lingering or self._t.is_closing() or not self._p.should_linger() or not self._t.can_write_eof():
+            return self._t.close()
+        self._p._lingering = True
+        try:
+            self._t.write_eof()
+            self._t.resume_reading()
+        except (OSError, RuntimeError):
+            return self._t.close()
+        self._p.loop.call_later(LINGER_S, self._t.close)
 
 
 class HttpServer:
