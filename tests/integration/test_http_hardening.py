@@ -246,6 +246,23 @@ def test_connections_past_the_limit_get_a_json_503(served):
     assert status == 200
 
 
+def test_a_response_is_not_held_behind_its_headers(served):
+    """Headers and body are two writes: without TCP_NODELAY the body waited ~40 ms for the
+    client's delayed ACK, on every response."""
+    import http.client
+
+    server, _ = served
+    conn = http.client.HTTPConnection(*address(server), timeout=10)
+    lat = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read()
+        lat.append(time.perf_counter() - t0)
+    conn.close()
+    assert sorted(lat)[len(lat) // 2] < 0.02, f"GET /v1/models took {sorted(lat)[len(lat) // 2] * 1000:.1f} ms (p50)"
+
+
 # ---- metrics -----------------------------------------------------------------------------------
 def test_every_door_counts_its_finished_requests(served):
     server, _ = served
