@@ -16,6 +16,8 @@ on 127.0.0.1 only) and runs scenarios against the router's gRPC endpoint:
   flood                 client processes sending oversized requests (a million token ids,
                         megabytes of text, prompts at the size limits) while this process calls
                         ModelInfo in a loop: its p50/p99 latency with and without the flood.
+  http-flood            HTTP clients sending 50 MB bodies and bodies just under the cap in a loop
+                        while gRPC ModelInfo and GET /v1/models are timed (bench/chaos_http.py).
   kill-prefill          kill -9 of a prefill worker while long prompts are being prefilled.
   kill-decode-transfer  kill -9 of a decode worker while long prompts' KV is on its way to it.
   kill-decode-stream    kill -9 of a decode worker while greedy streams decode on it; their
@@ -59,8 +61,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "kill-prefill", "kill-decode-transfer", "kill-decode-stream",
-             "kill-router", "hang-decode", "hang-prefill")
+SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "http-flood", "kill-prefill", "kill-decode-transfer",
+             "kill-decode-stream", "kill-router", "hang-decode", "hang-prefill")
 GENERATE = "/pdcluster.v1.Inference/Generate"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -237,6 +239,8 @@ def cluster_config(s: ChaosSettings):
                                  port=0, engine=engine)
     cfg.router.max_inflight, cfg.router.max_queue = s.max_inflight, s.max_queue
     cfg.router.worker_timeout_s = s.worker_timeout_s
+    if "http-flood" in s.scenarios:
+        cfg.router.http_port = 0
     return cfg
 
 
@@ -251,7 +255,9 @@ def run_transport(s: ChaosSettings) -> list[Row]:
     cluster.start()
     try:
         log(f"chaos [{s.transport}]: serving on {cluster.router_address} after {time.monotonic() - t0:.1f} s")
-        return asyncio.run(Chaos(s, cluster.router_address).run())
+        chaos = Chaos(s, cluster.router_address)
+        chaos.http_url = cluster.http_url
+        return asyncio.run(chaos.run())
     finally:
         cluster.stop()
 
@@ -588,6 +594,11 @@ class Chaos:
         if idle[1] or flood[1]:
             row.wrong_codes += idle[1] + flood[1]
             row.notes.append(f"ModelInfo failed {idle[1] + flood[1]} times")
+
+    async def scenario_http_flood(self, row: Row) -> None:
+        from bench.chaos_http import scenario_http_flood
+
+        await scenario_http_flood(self, row)
 
     # ---- kills ----------------------------------------------------------------------------------
     def greedy(self, ids: list[int], max_tokens: int, pin: str = ""):

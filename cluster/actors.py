@@ -159,6 +159,7 @@ class RouterActor:
         back takes the ports its first incarnation bound)."""
         from router.app import build_router
         from router.handles import WorkerHandle
+        from router.http_server import HttpLimits
         from router.security import Access, Tls
 
         if self.server is not None:  # an earlier start() of this incarnation failed half-way
@@ -177,7 +178,10 @@ class RouterActor:
                                    migration_wait_s=r.migration_wait_s, warm_up=True, http_port=http_port,
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
                                    tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None,
-                                   worker_timeout_s=r.worker_timeout_s, spares=spare_ids(cfg))
+                                   worker_timeout_s=r.worker_timeout_s, spares=spare_ids(cfg),
+                                   http_limits=HttpLimits(r.http_max_body_bytes, r.http_header_timeout_s,
+                                                          r.http_body_timeout_s, r.http_keep_alive_s,
+                                                          r.http_max_connections))
         self.server.metrics_port = metrics_port
         address = await self.server.start()
         freeze_startup_heap()

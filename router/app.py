@@ -8,6 +8,7 @@ from pathlib import Path
 from router.dispatch import Dispatcher
 from router.frontend import Frontend, FrontendLimits
 from router.handles import WorkerHandle
+from router.http_server import HttpLimits
 from router.policy import make_policy
 from router.security import Access, Tls
 from router.server import RouterServer
@@ -20,7 +21,10 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
                  max_prefill_attempts: int = 2, migration_limit: int = 2, migration_wait_s: float = 60.0,
                  limits: FrontendLimits | None = None, warm_up: bool = False,
                  http_port: int | None = None, access: Access | None = None, tls: Tls | None = None,
-                 worker_timeout_s: float = 10.0, spares: Sequence[str] = ()) -> RouterServer:
+                 worker_timeout_s: float = 10.0, spares: Sequence[str] = (),
+                 http_limits: HttpLimits | None = None) -> RouterServer:
+    """`http_limits`: the HTTP door's (router.http_server.HttpLimits; its max_body_bytes None:
+    derived from the largest gRPC request, `FrontendLimits.request_bytes(max_model_len)`)."""
     from engine.config import ModelConfig
 
     frontend = Frontend.from_model(model, hash_page_size=hash_page_size, max_model_len=max_model_len, limits=limits)
@@ -32,4 +36,5 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
     service = InferenceService(frontend, dispatcher, model_id=frontend.model_dir.name, architecture=cfg.architecture,
                                eos_token_ids=eos, max_inflight=max_inflight, max_queue=max_queue)
     return RouterServer(service, host, port, warm_up=warm_up, http_port=http_port, access=access, tls=tls,
-                        max_message_bytes=frontend.limits.request_bytes(frontend.max_model_len))
+                        max_message_bytes=frontend.limits.request_bytes(frontend.max_model_len),
+                        http_limits=http_limits)

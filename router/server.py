@@ -29,7 +29,8 @@ class RouterServer:
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 0,
                  *, load_refresh_s: float = 0.1, load_timeout_s: float = 2.0, max_message_bytes: int = 16 << 20,
                  warm_up: bool = False, metrics_port: int | None = None, http_port: int | None = None,
-                 access: Access | None = None, tls: Tls | None = None) -> None:
+                 access: Access | None = None, tls: Tls | None = None, http_limits=None,
+                 max_body_bytes: int | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
@@ -46,6 +47,9 @@ class RouterServer:
         self.http_port = http_port  # None: no OpenAI-compatible HTTP API; 0: a free port
         self.http_url = ""
         self._http = None
+        self.http_limits = http_limits  # router.http_server.HttpLimits; None: its defaults
+        # the largest HTTP body: http_limits.max_body_bytes, else derived from the gRPC request cap
+        self.max_body_bytes = max_body_bytes
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._refresher: asyncio.Task | None = None
@@ -81,22 +85,30 @@ class RouterServer:
             app = self.service.metrics.asgi_app()
             if not self.access.open_metrics:
                 app = self.access.asgi(app)
-            self._metrics_http = HttpServer(app, self.host, self.metrics_port, self.tls)
+            self._metrics_http = HttpServer(app, self.host, self.metrics_port, self.tls, self._limits())
             self.metrics_url = await self._metrics_http.start() + "/metrics"
             log.info("router metrics on %s", self.metrics_url)
         if self.http_port is not None:
             from router.http_server import HttpServer
             from router.openai_http import OpenAIApi
 
-            api = OpenAIApi(self.service, self.service.model_id, self.service.frontend.tokenizer)
+            limits = self._limits()
+            api = OpenAIApi(self.service, self.service.model_id, self.service.frontend.tokenizer,
+                            max_body_bytes=self.max_body_bytes or limits.body_bytes(self.max_message_bytes),
+                            limits=limits)
             app = self.access.asgi(api.app) if self.access.enabled else api.app
-            self._http = HttpServer(app, self.host, self.http_port, self.tls)
+            self._http = HttpServer(app, self.host, self.http_port, self.tls, limits)
             self.http_url = await self._http.start()
             log.info("router OpenAI-compatible API on %s/v1", self.http_url)
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
         await self._update_health()
         log.info("router serving %s on %s", SERVICE_NAME, self.address)
         return self.address
+
+    def _limits(self):
+        from router.http_server import HttpLimits
+
+        return self.http_limits or HttpLimits()
 
     @property
     def health_status(self) -> str:

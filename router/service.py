@@ -13,6 +13,7 @@ saying the grace ran out, and the dispatcher frees their pages on both workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -93,7 +94,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self._waiting += 1
         m = self.metrics
         m.waiting.inc()
-        acquired = False
+        acquired = finished = False
         try:
             await self._slots.acquire()
             acquired = True
@@ -103,20 +104,26 @@ class InferenceService(pb_grpc.InferenceServicer):
             m.running.inc()
             stats.admitted = time.monotonic()
             ttft, last = 0.0, 0.0
-            async for chunk in self.dispatcher.generate(prepared, stats):
-                if chunk.token_ids:  # TTFT and ITL count token-bearing chunks, as clients see them
-                    now = time.monotonic()
-                    if not ttft:
-                        ttft = now - arrival
-                        m.ttft.observe(ttft)
-                    else:
-                        m.itl.observe(now - last)
-                    last = now
-                yield self._chunk(rid, chunk)
+            # closed explicitly, also when this generator is closed at a yield (a client gone):
+            # the dispatcher's cleanup cancels the request on its workers at once
+            async with contextlib.aclosing(self.dispatcher.generate(prepared, stats)) as chunks:
+                async for chunk in chunks:
+                    if chunk.token_ids:  # TTFT and ITL count token-bearing chunks, as clients see them
+                        now = time.monotonic()
+                        if not ttft:
+                            ttft = now - arrival
+                            m.ttft.observe(ttft)
+                        else:
+                            m.itl.observe(now - last)
+                        last = now
+                    yield self._chunk(rid, chunk)
             final = self._final(rid, stats, ttft)
-            yield final
+            # counted before the final message is yielded: a caller may stop at it and close
+            # this generator (the HTTP stream does), and the request did finish
             self.served += 1
             self._observe_finished(rid, stats, final)
+            finished = True
+            yield final
         except RequestError as exc:
             self.failed += 1
             self._log(rid, stats, {"error": exc.code.name})
@@ -128,6 +135,12 @@ class InferenceService(pb_grpc.InferenceServicer):
                 raise RequestError(self._shutdown_reason, grpc.StatusCode.UNAVAILABLE) from None
             m.errors.labels(code=grpc.StatusCode.CANCELLED.name).inc()
             self._log(rid, stats, {"error": grpc.StatusCode.CANCELLED.name})
+            raise
+        except GeneratorExit:  # closed by its caller: a client gone (unless it had finished)
+            if not finished:
+                self.failed += 1
+                m.errors.labels(code=grpc.StatusCode.CANCELLED.name).inc()
+                self._log(rid, stats, {"error": grpc.StatusCode.CANCELLED.name})
             raise
         finally:
             if acquired:
