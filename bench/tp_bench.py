@@ -10,8 +10,10 @@ use the same cores. Per round:
   first token; tokens/s = prompt / time;
 - decode: `--streams` requests with ~`--prompt // 4`-token prompts, prefilled untimed, then
   `--steps` decode steps timed one by one (median).
-Also the leader's LM head alone (the logits of `--streams` rows): what a vocab-parallel head
-could at most halve, against the replicated head the engine uses (engine/parallel.py).
+TP=N runs twice: with the LM head replicated (the default: the leader computes all logits)
+and vocab-parallel (each rank its rows, gathered by the leader). The LM head's time alone on
+the leader (the logits of `--streams` rows, its own rows only when vocab-parallel) is printed
+too.
 Ratios are TP=N / TP=1 (prefill: tokens/s, above 1 is faster; decode: step time, below 1 is
 faster). On a machine whose cores other processes share, TP=1 with all the threads can lose
 to TP=1 with one rank's share (OpenMP threads wait on each other), so TP=1 is measured both ways.
@@ -42,10 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
 
 
-def _engine(model: str, tp: int, args):
+def _engine(model: str, tp: int, vocab_parallel: bool, args):
     from engine.core import EngineCore
 
-    return EngineCore(model, dtype="float32", tensor_parallel_size=tp, detokenize=False, enable_prefix_caching=False,
+    return EngineCore(model, dtype="float32", tensor_parallel_size=tp, vocab_parallel_lm_head=vocab_parallel,
+                      detokenize=False, enable_prefix_caching=False,
                       max_num_seqs=max(args.streams, 1), max_num_batched_tokens=max(2048, args.prompt))
 
 
@@ -96,16 +99,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"tensor parallel: {args.model} float32, TP={n} ({per_rank} thread(s) per rank) vs TP=1 "
           f"({args.threads} thread(s){f' and {per_rank}' if per_rank != args.threads else ''}), "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.rounds} rounds", flush=True)
-    # (label, tp, threads per rank): TP=1 on all the threads, and on one rank's share of them
+    # (label, tp, threads per rank): TP=1 on all the threads, and on one rank's share of them;
+    # TP=N with the LM head replicated (the default) and vocab-parallel
     configs = [("tp1", 1, args.threads)]
     if per_rank != args.threads:
         configs.append((f"tp1_{per_rank}t", 1, per_rank))
-    configs.append((f"tp{n}", n, per_rank))
+    configs += [(f"tp{n}", n, per_rank), (f"tp{n}_vocab", n, per_rank)]
     engines = {}
     try:
         for label, tp, threads in configs:
             torch.set_num_threads(threads)  # the followers take the leader's count at start
-            engines[label] = _engine(args.model, tp, args)
+            engines[label] = _engine(args.model, tp, label.endswith("_vocab"), args)
         rng = random.Random(0)
         prefill = {c[0]: [] for c in configs}
         decode = {c[0]: [] for c in configs}
@@ -124,28 +128,26 @@ def run(args: argparse.Namespace) -> int:
         for core in engines.values():
             core.close()
     torch.set_num_threads(args.threads)
-    tpn = f"tp{n}"
     rows = {}
-    print(f"{'':<14} {'prefill tok/s':>14} {'decode step ms':>15} {'LM head ms':>11} {'prefill x':>10} {'decode x':>9}")
+    print(f"{'':<16} {'prefill tok/s':>14} {'decode step ms':>15} {'LM head ms':>11}")
     for label, tp, threads in configs:
         p, d, h = Summary.of(prefill[label]), Summary.of(decode[label]), Summary.of(lm_head[label])
-        rows[label] = {"tp": tp, "threads_per_rank": threads, "prefill_tokens_per_s": p.as_dict(),
-                       "decode_step_s": d.as_dict(), "lm_head_s": h.as_dict(),
-                       "lm_head_share_of_decode_step": h.median / d.median}
-    for label, tp, threads in configs:
-        row = rows[label]
-        if label != tpn:  # TP=N against this baseline: prefill tokens/s ratio (>1 faster), step time ratio (<1 faster)
-            row[f"{tpn}_prefill_ratio"] = rows[tpn]["prefill_tokens_per_s"]["median"] / row["prefill_tokens_per_s"]["median"]
-            row[f"{tpn}_decode_ratio"] = rows[tpn]["decode_step_s"]["median"] / row["decode_step_s"]["median"]
-        name = f"TP={tp} {threads}t"
-        ratios = ("" if label == tpn else
-                  f"{row[f'{tpn}_prefill_ratio']:>10.2f} {row[f'{tpn}_decode_ratio']:>9.2f}")
-        print(f"{name:<14} {row['prefill_tokens_per_s']['median']:>14.0f} {row['decode_step_s']['median'] * 1e3:>15.1f} "
-              f"{row['lm_head_s']['median'] * 1e3:>11.2f} {ratios}")
-    print(f"(ratios: TP={n} against that row; prefill x above 1 and decode x below 1 mean TP={n} is faster; "
-          f"decode with {args.streams} streams)")
+        rows[label] = {"tp": tp, "threads_per_rank": threads, "vocab_parallel": label.endswith("_vocab"),
+                       "prefill_tokens_per_s": p.as_dict(), "decode_step_s": d.as_dict(), "lm_head_s": h.as_dict()}
+        name = f"TP={tp} {threads}t" + (" vocab" if label.endswith("_vocab") else "")
+        print(f"{name:<16} {p.median:>14.0f} {d.median * 1e3:>15.1f} {h.median * 1e3:>11.2f}")
+    # ratios of each TP=N row against each TP=1 row: prefill tokens/s (above 1: TP=N faster),
+    # decode step time (below 1: TP=N faster)
+    ratios = {}
+    for label, tp, _ in configs:
+        for base, btp, _ in configs:
+            if tp == n and btp == 1:
+                r = rows[label]["prefill_tokens_per_s"]["median"] / rows[base]["prefill_tokens_per_s"]["median"]
+                q = rows[label]["decode_step_s"]["median"] / rows[base]["decode_step_s"]["median"]
+                ratios[f"{label}/{base}"] = {"prefill_tokens_per_s": r, "decode_step_s": q}
+                print(f"{label}/{base}: prefill tokens/s x{r:.2f}, decode step time x{q:.2f} ({args.streams} streams)")
     if args.json is not None:
-        doc = {"benchmark": "tp", "rows": rows, "started_at": started,
+        doc = {"benchmark": "tp", "rows": rows, "ratios": ratios, "started_at": started,
                "settings": {"model": args.model, "tp": n, "prompt": args.prompt, "streams": args.streams,
                             "rounds": args.rounds, "steps": args.steps, "threads": args.threads,
                             "cpus": os.cpu_count(), "torch": torch.__version__,

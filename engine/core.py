@@ -40,7 +40,7 @@ from engine.kv_connector import KVConnector, KVEventKind
 from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput, Resume
-from engine.parallel import DEFAULT_TIMEOUT_S, TPGroup, check_tensor_parallel
+from engine.parallel import DEFAULT_TIMEOUT_S, TPGroup, TPShard
 from engine.request import Request
 from engine.sampler import request_seed
 from engine.sampling_params import SamplingParams
@@ -104,10 +104,11 @@ class EngineCore:
         on_kv_failure: KVFailurePolicy | None = None,
         tensor_parallel_size: int = 1,
         tp_timeout_s: float = DEFAULT_TIMEOUT_S,
+        vocab_parallel_lm_head: bool = False,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
-        check_tensor_parallel(cfg, tensor_parallel_size)
+        TPShard.of(cfg, 0, tensor_parallel_size, vocab_parallel_lm_head)  # raises if N does not fit the model
         if tensor_parallel_size > 1 and kv_connector is not None:
             raise ValueError("tensor_parallel_size > 1 with a KV connector is not supported yet: the connector would "
                              "see only the leader's KV heads (issue 35, item 3)")
@@ -138,7 +139,8 @@ class EngineCore:
         runner_kw = dict(dtype=self.dtype, device=self.device, page_size=page_size, num_pages=num_pages,
                          max_model_len=self.max_model_len, attention_backend=attention_backend)
         if tensor_parallel_size > 1:
-            self.runner = self._start_tensor_parallel(tensor_parallel_size, tp_timeout_s, runner_kw)
+            self.runner = self._start_tensor_parallel(tensor_parallel_size, tp_timeout_s, vocab_parallel_lm_head,
+                                                      runner_kw)
         else:
             self.runner = ModelRunner(self.model_dir, cfg, **runner_kw)
         if kv_connector is not None:
@@ -153,7 +155,7 @@ class EngineCore:
         self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
         self._ids = itertools.count()
 
-    def _start_tensor_parallel(self, world: int, timeout_s: float, runner_kw: dict) -> ModelRunner:
+    def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, runner_kw: dict) -> ModelRunner:
         """Start followers 1..world-1 on this host, load the leader's shard meanwhile, join."""
         from engine.attention import resolve_backend_name
         from engine.tp_worker import LocalFollowers, ShardSpec, connect_store, wait_ready
@@ -173,6 +175,7 @@ class EngineCore:
             page_size=runner_kw["page_size"], num_pages=runner_kw["num_pages"],
             max_model_len=runner_kw["max_model_len"],
             attention_backend=resolve_backend_name(runner_kw["attention_backend"], self.device), timeout_s=timeout_s,
+            vocab_parallel=vocab_parallel,
         )
         store = connect_store("tcp://127.0.0.1:0", is_master=True, timeout_s=timeout_s)  # binds a free port
         init_method = f"tcp://127.0.0.1:{store.port}"
@@ -182,7 +185,7 @@ class EngineCore:
         self._tp_finalizer = weakref.finalize(self, _stop_tensor_parallel, group, followers, store)
         self._tp, self._tp_followers = group, followers
         try:
-            runner = ModelRunner(self.model_dir, self.config, tp=group, **runner_kw)
+            runner = ModelRunner(self.model_dir, self.config, tp=group, vocab_parallel=vocab_parallel, **runner_kw)
             wait_ready(store, world, followers.check)
             group.connect()
         except BaseException:

@@ -79,6 +79,8 @@ def shard_tensor(name: str, value: torch.Tensor, cfg: ModelConfig, shard: TPShar
     tensor can be freed), or `value` itself when every rank holds all of it."""
     if shard.world == 1:
         return value
+    if name == "lm_head.weight" and shard.vocab_parallel:
+        return value[shard.vocab_start : shard.vocab_start + shard.vocab_size].clone()
     hd = cfg.head_dim
     q = slice(shard.q_head_start * hd, (shard.q_head_start + shard.num_heads) * hd)
     kv = slice(shard.kv_head_start * hd, (shard.kv_head_start + shard.num_kv_heads) * hd)

@@ -123,7 +123,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
 
     @torch.inference_mode()
@@ -142,5 +142,10 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """Logits of this rank's LM head rows: the whole vocabulary unless vocab-parallel."""
+        if self.lm_head is None:
+            s = self.shard
+            weight = self.embed_tokens.weight[s.vocab_start : s.vocab_start + s.vocab_size]
+        else:
+            weight = self.lm_head.weight
         return F.linear(hidden, weight).float()

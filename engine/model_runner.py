@@ -36,10 +36,14 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tensor_para
 
 class ModelRunner:
     def __init__(self, model_dir, cfg: ModelConfig, *, dtype, device, page_size: int, num_pages: int,
-                 max_model_len: int, attention_backend: str, tp: TPGroup | None = None) -> None:
+                 max_model_len: int, attention_backend: str, tp: TPGroup | None = None,
+                 vocab_parallel: bool = False) -> None:
+        """`tp`: this rank's group; `vocab_parallel`: the LM head's rows split over the ranks
+        (engine/parallel.py), else every rank holds all of it and only the leader uses it."""
         self.cfg, self.dtype, self.device, self.page_size = cfg, dtype, device, page_size
         self.tp = tp
-        self.shard = shard = TPShard.of(cfg, tp.rank, tp.world) if tp is not None else TPShard.of(cfg)
+        self.shard = shard = (TPShard.of(cfg, tp.rank, tp.world, vocab_parallel) if tp is not None
+                              else TPShard.of(cfg))
         self.model = load_model(model_dir, cfg, dtype, device, max_positions=max_model_len, shard=shard,
                                 all_reduce=tp.all_reduce if tp is not None else None)
         self.kv_caches = allocate_kv_caches(cfg, num_pages, page_size, dtype, device, shard.num_kv_heads)
@@ -94,6 +98,7 @@ class ModelRunner:
             context_lens=context_lens,
             block_tables=[req.pages for req in batch.requests],
             num_decodes=batch.num_decodes,
+            sample_rows=sample_rows,
         )
         return inputs, sample_rows, sample_reqs
 
@@ -105,6 +110,17 @@ class ModelRunner:
         return self.model(input_ids, positions, self.attn, self.kv_caches, on_layer, final_norm=final_norm)
 
     @torch.inference_mode()
+    def follower_step(self, inputs: StepInputs) -> None:
+        """A follower's part of one step: its shard's forward and, with a vocab-parallel LM
+        head, its slice of the sampled rows' logits, gathered by the leader."""
+        if not self.shard.vocab_parallel:
+            self.forward_step(inputs, final_norm=False)
+            return
+        hidden = self.forward_step(inputs)
+        if inputs.sample_rows:
+            self.tp.gather_logits(self.model.compute_logits(hidden[inputs.sample_rows]))
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, on_layer=None) -> dict[Request, tuple[int, object]]:
         """Run one step; returns the sampled (token id, logprobs) for each request that samples.
         `on_layer(i)` is called once layer i's K/V for this step are written. The leader of a
@@ -114,13 +130,18 @@ class ModelRunner:
             self.tp.send_step(inputs)
             try:
                 hidden = self.forward_step(inputs, on_layer)
+                if reqs:
+                    logits = self.model.compute_logits(hidden[sample_rows])
+                    if self.shard.vocab_parallel:
+                        logits = self.tp.gather_logits(logits)
             except BaseException as exc:  # the followers may be mid-step: the group is out of step
                 self.tp.mark_broken(f"the leader's forward failed: {type(exc).__name__}: {exc}")
                 raise
         else:
             hidden = self.forward_step(inputs, on_layer)
+            if reqs:
+                logits = self.model.compute_logits(hidden[sample_rows])
         if not reqs:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
         out = self.sampler(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
         return {req: (tok, lp) for req, tok, lp in zip(reqs, out.token_ids, out.logprobs)}

@@ -8,7 +8,9 @@ Sharding (engine/model.py, engine/loader.py). With N ranks, rank r holds:
 - columns [r * I/N, (r+1) * I/N) of gate/up (I: intermediate size);
 - the matching input slices of o_proj and down_proj (row-parallel): each rank's output is a
   partial sum, all-reduced once per projection, the bias (if any) added once after the reduce;
-- the embedding, the norms and the LM head whole (replicated: only the leader computes logits).
+- the embedding and the norms whole; the LM head whole (replicated: only the leader computes
+  logits), or with `vocab_parallel` its rows [r * V/N, (r+1) * V/N): every rank computes its
+  slice of the sampled rows' logits and the leader gathers them (V % N == 0 required).
 Its KV cache holds only its own KV heads; page ids mean the same page on every rank, because
 one block pool (the leader's) allocates them.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 import datetime
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,16 +73,27 @@ class TPShard:
     kv_head_start: int
     intermediate_size: int
     intermediate_start: int
+    vocab_size: int  # LM head rows here: the whole vocabulary unless vocab-parallel
+    vocab_start: int = 0
+    vocab_parallel: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int = 0, world: int = 1) -> "TPShard":
+    def of(cls, cfg: ModelConfig, rank: int = 0, world: int = 1, vocab_parallel: bool = False) -> "TPShard":
         check_tensor_parallel(cfg, world)
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
         qpr, ipr = cfg.num_heads // world, cfg.intermediate_size // world
         k = cfg.num_kv_heads
         kv = (k // world, rank * k // world) if k >= world else (1, rank * k // world)
-        return cls(rank, world, qpr, rank * qpr, kv[0], kv[1], ipr, rank * ipr)
+        vocab = (cfg.vocab_size, 0, False)
+        if vocab_parallel and world > 1:
+            if cfg.vocab_size % world:
+                raise ValueError(f"a vocab-parallel LM head needs vocab_size={cfg.vocab_size} divisible by "
+                                 f"tensor_parallel_size={world}")
+            vpr = cfg.vocab_size // world
+            vocab = (vpr, rank * vpr, True)
+        return cls(rank, world, qpr, rank * qpr, kv[0], kv[1], ipr, rank * ipr, *vocab)
+
 
     @property
     def q_heads(self) -> range:
@@ -103,9 +116,10 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]
     num_decodes: int
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
 
 
-_HEADER = struct.Struct("<4q")  # num_seqs, num_tokens, num_decodes, block table entries
+_HEADER = struct.Struct("<5q")  # num_seqs, num_tokens, num_decodes, block table entries, sample rows
 
 
 def encode_step(s: StepInputs) -> bytes:
@@ -114,23 +128,24 @@ def encode_step(s: StepInputs) -> bytes:
     body = np.concatenate([
         s.input_ids.astype(np.int64, copy=False), s.positions.astype(np.int64, copy=False),
         s.slot_mapping.astype(np.int64, copy=False), np.asarray(s.query_lens, dtype=np.int64),
-        np.asarray(s.context_lens, dtype=np.int64), bt_lens, flat,
+        np.asarray(s.context_lens, dtype=np.int64), bt_lens, flat, np.asarray(s.sample_rows, dtype=np.int64),
     ])
-    return _HEADER.pack(len(s.query_lens), len(s.input_ids), s.num_decodes, len(flat)) + body.tobytes()
+    return (_HEADER.pack(len(s.query_lens), len(s.input_ids), s.num_decodes, len(flat), len(s.sample_rows))
+            + body.tobytes())
 
 
 def decode_step(buf: bytes) -> StepInputs:
-    n, t, nd, nb = _HEADER.unpack_from(buf)
+    n, t, nd, nb, ns = _HEADER.unpack_from(buf)
     a = np.frombuffer(buf, dtype=np.int64, offset=_HEADER.size).copy()  # writable: torch.from_numpy
-    if len(a) != 3 * t + 3 * n + nb:
+    if len(a) != 3 * t + 3 * n + nb + ns:
         raise TPGroupError(f"malformed step message: {len(a)} values for {n} sequences, {t} tokens, {nb} pages")
     ids, pos, slots = a[:t], a[t : 2 * t], a[2 * t : 3 * t]
     o = 3 * t
     qlens, clens, bt_lens = a[o : o + n].tolist(), a[o + n : o + 2 * n].tolist(), a[o + 2 * n : o + 3 * n]
-    flat = a[o + 3 * n :].tolist()
+    flat = a[o + 3 * n : o + 3 * n + nb].tolist()
     ends = np.cumsum(bt_lens).tolist()
     tables = [flat[e - k : e] for e, k in zip(ends, bt_lens.tolist())]
-    return StepInputs(ids, pos, slots, qlens, clens, tables, nd)
+    return StepInputs(ids, pos, slots, qlens, clens, tables, nd, a[o + 3 * n + nb :].tolist())
 
 
 # ---- the group ---------------------------------------------------------------------------------
@@ -195,6 +210,19 @@ class TPGroup:
             self.mark_broken(f"all-reduce on rank {self.rank} failed: {_first_line(exc)}")
             raise TPGroupError(self.broken) from exc
         return t
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Vocab-parallel LM head: every rank's [rows, V/N] slice to the leader, which gets the
+        [rows, V] logits (None on the followers)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(local) for _ in range(self.world)] if self.is_leader else []
+        try:
+            self.pg.gather([parts] if self.is_leader else [], [local], opts).wait()
+        except RuntimeError as exc:
+            self.mark_broken(f"gathering logits on rank {self.rank} failed: {_first_line(exc)}")
+            raise TPGroupError(self.broken) from exc
+        return torch.cat(parts, dim=1) if self.is_leader else None
 
     # -- leader ------------------------------------------------------------------------------
     def check(self) -> None:

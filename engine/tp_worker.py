@@ -52,6 +52,7 @@ class ShardSpec:
     max_model_len: int
     attention_backend: str
     timeout_s: float = DEFAULT_TIMEOUT_S
+    vocab_parallel: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -98,7 +99,7 @@ class TPFollower:
             runner = ModelRunner(
                 Path(spec.model_dir), cfg, dtype=getattr(torch, spec.dtype), device=self.device,
                 page_size=spec.page_size, num_pages=spec.num_pages, max_model_len=spec.max_model_len,
-                attention_backend=spec.attention_backend, tp=self.group,
+                attention_backend=spec.attention_backend, tp=self.group, vocab_parallel=spec.vocab_parallel,
             )
         except Exception as exc:
             store.set(ERROR_KEY.format(rank=self.rank), f"{type(exc).__name__}: {exc}"[:2000])
@@ -107,7 +108,7 @@ class TPFollower:
         self.group.connect()
         try:
             while (inputs := self.group.recv_step()) is not None:
-                runner.forward_step(inputs, final_norm=False)
+                runner.follower_step(inputs)
         finally:
             self.group.close()
 

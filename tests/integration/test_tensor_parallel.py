@@ -7,7 +7,8 @@ matmul's, so a near-tie can flip. A sequence may part from transformers only at 
 transformers' own top-2 logits are less than `TIE_GAP` apart (the tokens after it are then
 not compared); every other difference fails, and the near-ties accepted are printed.
 
-Covered: TP=2 on llama and qwen3 (q/k/v split by head, qk-norm per head, tied embeddings), a
+Covered: TP=2 on llama and qwen3 (q/k/v split by head, qk-norm per head, tied embeddings; the
+LM head replicated and vocab-parallel), a
 batch of prompts of many lengths, page sizes 16 and 1, chunked prefill mixed with decodes, and
 KV heads replicated (a 1-KV-head derivative of the tiny llama at TP=2); TP=4 (2 KV heads on 4
 ranks) in the slow suite. Also: a TP that does not divide the heads is refused naming the field
@@ -137,16 +138,20 @@ def tp_llm():
         assert followers_gone(pids), f"followers {pids} still running after close()"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_greedy_matches_transformers(arch, reference, tp_llm):
-    # a batch of 7 prompts of 1..100 tokens, all in flight together, page size 16
+@pytest.mark.parametrize("arch, vocab_parallel", [("llama", False), ("qwen3", True)])
+def test_tp2_greedy_matches_transformers(arch, vocab_parallel, reference, tp_llm):
+    # a batch of 7 prompts of 1..100 tokens, all in flight together, page size 16; qwen3 (tied
+    # embeddings) with the LM head's rows split over the ranks, llama with it replicated
     model_dir, prompts, expected = reference(arch)
-    llm = tp_llm(model_dir, tensor_parallel_size=2, page_size=16)
+    llm = tp_llm(model_dir, tensor_parallel_size=2, page_size=16, vocab_parallel_lm_head=vocab_parallel)
     assert len(llm.tensor_parallel_pids) == 1
-    assert llm.runner.shard.num_heads == 2 and llm.runner.shard.num_kv_heads == 1
+    shard = llm.runner.shard
+    assert shard.num_heads == 2 and shard.num_kv_heads == 1
+    assert shard.vocab_size == llm.config.vocab_size // (2 if vocab_parallel else 1)
     assert llm.runner.kv_caches[0].shape[3] == 1  # the leader's cache holds its one KV head
     outs = llm.generate(prompts, GREEDY)
-    assert_greedy_matches(f"TP=2 {arch} page 16", model_dir, prompts, outs, expected)
+    assert_greedy_matches(f"TP=2 {arch} page 16{' vocab-parallel' if vocab_parallel else ''}", model_dir,
+                          prompts, outs, expected)
     assert_no_leaks(llm)
 
 
@@ -207,14 +212,16 @@ def test_garbage_collection_stops_the_followers(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp4_replicated_kv_heads_match_transformers(arch, reference, tp_llm):
+@pytest.mark.parametrize("arch, vocab_parallel", [("llama", True), ("qwen3", False)])
+def test_tp4_replicated_kv_heads_match_transformers(arch, vocab_parallel, reference, tp_llm):
     # tiny: 4 q heads, 2 KV heads; at TP=4 rank r holds q head r and KV head r // 2
     model_dir, prompts, expected = reference(arch)
-    llm = tp_llm(model_dir, tensor_parallel_size=4, page_size=16, max_num_batched_tokens=64)
+    llm = tp_llm(model_dir, tensor_parallel_size=4, page_size=16, max_num_batched_tokens=64,
+                 vocab_parallel_lm_head=vocab_parallel)
     assert llm.runner.shard.num_heads == 1 and llm.runner.shard.num_kv_heads == 1
     outs = llm.generate(prompts, GREEDY)
-    assert_greedy_matches(f"TP=4 {arch} page 16 chunked", model_dir, prompts, outs, expected)
+    assert_greedy_matches(f"TP=4 {arch} page 16 chunked{' vocab-parallel' if vocab_parallel else ''}", model_dir,
+                          prompts, outs, expected)
     assert_no_leaks(llm)
 
 

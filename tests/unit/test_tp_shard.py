@@ -96,3 +96,20 @@ def test_step_message_round_trips():
     for f in ("input_ids", "positions", "slot_mapping"):
         assert np.array_equal(getattr(back, f), getattr(s, f)) and getattr(back, f).flags.writeable
     assert (back.query_lens, back.context_lens, back.block_tables, back.num_decodes) == ([1, 3], [10, 3], [[0, 2], [1]], 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied LM head, tied to the embedding
+def test_vocab_parallel_lm_head_rows_put_together_are_the_checkpoint(arch, tiny_model):
+    model_dir = tiny_model(arch)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    kw = dict(dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
+    full = load_model(model_dir, cfg, **kw)
+    hidden = torch.randn(3, cfg.hidden_size)
+    parts = [load_model(model_dir, cfg, shard=TPShard.of(cfg, r, 2, vocab_parallel=True), all_reduce=lambda t: t, **kw)
+             .compute_logits(hidden) for r in range(2)]
+    assert parts[0].shape == (3, cfg.vocab_size // 2)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full.compute_logits(hidden), rtol=0, atol=1e-5)
+    odd = ModelConfig.from_dict({**cfg.raw, "vocab_size": cfg.vocab_size - 1})
+    with pytest.raises(ValueError, match=f"vocab_size={cfg.vocab_size - 1}"):
+        TPShard.of(odd, 0, 2, vocab_parallel=True)
+    assert TPShard.of(odd, 0, 2).vocab_size == cfg.vocab_size - 1  # replicated: any vocabulary
