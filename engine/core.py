@@ -105,6 +105,8 @@ class EngineCore:
         tensor_parallel_size: int = 1,
         tp_timeout_s: float = DEFAULT_TIMEOUT_S,
         vocab_parallel_lm_head: bool = False,
+        tp_host: str = "127.0.0.1",
+        tp_launcher: Callable | None = None,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
@@ -140,7 +142,7 @@ class EngineCore:
                          max_model_len=self.max_model_len, attention_backend=attention_backend)
         if tensor_parallel_size > 1:
             self.runner = self._start_tensor_parallel(tensor_parallel_size, tp_timeout_s, vocab_parallel_lm_head,
-                                                      runner_kw)
+                                                      tp_host, tp_launcher, runner_kw)
         else:
             self.runner = ModelRunner(self.model_dir, cfg, **runner_kw)
         if kv_connector is not None:
@@ -155,8 +157,15 @@ class EngineCore:
         self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
         self._ids = itertools.count()
 
-    def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, runner_kw: dict) -> ModelRunner:
-        """Start followers 1..world-1 on this host, load the leader's shard meanwhile, join."""
+    def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, host: str,
+                               launcher: Callable | None, runner_kw: dict) -> ModelRunner:
+        """Start followers 1..world-1, load the leader's shard meanwhile, join the group.
+
+        The group's store listens on `host` (a free port). `launcher(spec, world, init_method,
+        devices, num_threads)` starts the followers and returns their handle (`check()` raises
+        TPGroupError for a lost one, `stop(timeout_s)`, `pids`); the default, `LocalFollowers`,
+        runs them as subprocesses here. A Ray deployment passes one that starts a TPFollower per
+        placement-group bundle, with `host` this node's address."""
         from engine.attention import resolve_backend_name
         from engine.tp_worker import LocalFollowers, ShardSpec, connect_store, wait_ready
 
@@ -177,10 +186,11 @@ class EngineCore:
             attention_backend=resolve_backend_name(runner_kw["attention_backend"], self.device), timeout_s=timeout_s,
             vocab_parallel=vocab_parallel,
         )
-        store = connect_store("tcp://127.0.0.1:0", is_master=True, timeout_s=timeout_s)  # binds a free port
-        init_method = f"tcp://127.0.0.1:{store.port}"
-        followers = LocalFollowers(spec, world, init_method, devices, max(1, torch.get_num_threads() // world))
-        group = TPGroup(store, 0, world, self.device, timeout_s=timeout_s, liveness=followers.check)
+        store = connect_store(f"tcp://{host}:0", is_master=True, timeout_s=timeout_s)  # binds a free port
+        init_method = f"tcp://{host}:{store.port}"
+        followers = (launcher or LocalFollowers)(spec, world, init_method, devices,
+                                                 max(1, torch.get_num_threads() // world))
+        group = TPGroup(store, 0, world, self.device, host=host, timeout_s=timeout_s, liveness=followers.check)
         # stops the followers when this engine is closed, collected, or at interpreter exit
         self._tp_finalizer = weakref.finalize(self, _stop_tensor_parallel, group, followers, store)
         self._tp, self._tp_followers = group, followers
