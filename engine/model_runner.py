@@ -5,7 +5,7 @@ queues or policies: the scheduler decides what runs, the runner only runs it.
 
 Under tensor parallelism (engine/parallel.py) every rank has a runner over its shard and its
 KV heads. The leader's `execute` sends each step's host-side inputs to the followers before
-its own forward; a follower's loop (engine/tp_worker.py) calls `forward_step` with them.
+its own forward; a follower's loop (engine/tp_worker.py) calls `follower_step` with them.
 """
 from __future__ import annotations
 
