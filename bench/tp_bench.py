@@ -10,8 +10,9 @@ use the same cores. Per round:
   first token; tokens/s = prompt / time;
 - decode: `--streams` requests with ~`--prompt // 4`-token prompts, prefilled untimed, then
   `--steps` decode steps timed one by one (median).
-TP=N runs twice: with the LM head replicated (the default: the leader computes all logits)
-and vocab-parallel (each rank its rows, gathered by the leader). The LM head's time alone on
+TP=N runs with each CPU transport of `--transports` (gloo, socket: engine/parallel.py) and each
+LM head of `--lm-heads`: replicated (the default: the leader computes all logits) and
+vocab-parallel (each rank its rows, gathered by the leader). The LM head's time alone on
 the leader (the logits of `--streams` rows, its own rows only when vocab-parallel) is printed
 too.
 Ratios are TP=N / TP=1 (prefill: tokens/s, above 1 is faster; decode: step time, below 1 is
@@ -41,14 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps per round (default 8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of TP=1; each TP rank gets threads // tp (default: the CPUs)")
+    parser.add_argument("--transports", default="gloo,socket",
+                        help="CPU all-reduce transports of TP=N to run, comma-separated (default gloo,socket)")
+    parser.add_argument("--lm-heads", default="replicated,vocab",
+                        help="LM heads of TP=N to run: replicated, vocab (default both)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
 
 
-def _engine(model: str, tp: int, vocab_parallel: bool, args):
+def _engine(model: str, tp: int, vocab_parallel: bool, transport: str, args):
     from engine.core import EngineCore
 
     return EngineCore(model, dtype="float32", tensor_parallel_size=tp, vocab_parallel_lm_head=vocab_parallel,
-                      detokenize=False, enable_prefix_caching=False,
+                      tp_transport=transport, detokenize=False, enable_prefix_caching=False,
                       max_num_seqs=max(args.streams, 1), max_num_batched_tokens=max(2048, args.prompt))
 
 
@@ -104,12 +109,17 @@ def run(args: argparse.Namespace) -> int:
     configs = [("tp1", 1, args.threads)]
     if per_rank != args.threads:
         configs.append((f"tp1_{per_rank}t", 1, per_rank))
-    configs += [(f"tp{n}", n, per_rank), (f"tp{n}_vocab", n, per_rank)]
+    setup = {c[0]: ("gloo", False) for c in configs}
+    for transport in args.transports.split(","):
+        for head in args.lm_heads.split(","):
+            label = f"tp{n}_{transport}" + ("_vocab" if head == "vocab" else "")
+            configs.append((label, n, per_rank))
+            setup[label] = (transport, head == "vocab")
     engines = {}
     try:
         for label, tp, threads in configs:
             torch.set_num_threads(threads)  # the followers take the leader's count at start
-            engines[label] = _engine(args.model, tp, label.endswith("_vocab"), args)
+            engines[label] = _engine(args.model, tp, setup[label][1], setup[label][0], args)
         rng = random.Random(0)
         prefill = {c[0]: [] for c in configs}
         decode = {c[0]: [] for c in configs}
@@ -129,13 +139,14 @@ def run(args: argparse.Namespace) -> int:
             core.close()
     torch.set_num_threads(args.threads)
     rows = {}
-    print(f"{'':<16} {'prefill tok/s':>14} {'decode step ms':>15} {'LM head ms':>11}")
+    print(f"{'':<24} {'prefill tok/s':>14} {'decode step ms':>15} {'LM head ms':>11}")
     for label, tp, threads in configs:
         p, d, h = Summary.of(prefill[label]), Summary.of(decode[label]), Summary.of(lm_head[label])
-        rows[label] = {"tp": tp, "threads_per_rank": threads, "vocab_parallel": label.endswith("_vocab"),
+        rows[label] = {"tp": tp, "threads_per_rank": threads, "vocab_parallel": setup[label][1],
+                       "transport": setup[label][0] if tp > 1 else None,
                        "prefill_tokens_per_s": p.as_dict(), "decode_step_s": d.as_dict(), "lm_head_s": h.as_dict()}
-        name = f"TP={tp} {threads}t" + (" vocab" if label.endswith("_vocab") else "")
-        print(f"{name:<16} {p.median:>14.0f} {d.median * 1e3:>15.1f} {h.median * 1e3:>11.2f}")
+        name = f"TP={tp} {threads}t" + (f" {setup[label][0]}" if tp > 1 else "") + (" vocab" if setup[label][1] else "")
+        print(f"{name:<24} {p.median:>14.0f} {d.median * 1e3:>15.1f} {h.median * 1e3:>11.2f}")
     # ratios of each TP=N row against each TP=1 row: prefill tokens/s (above 1: TP=N faster),
     # decode step time (below 1: TP=N faster)
     ratios = {}

@@ -40,7 +40,7 @@ from engine.kv_connector import KVConnector, KVEventKind
 from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput, Resume
-from engine.parallel import DEFAULT_TIMEOUT_S, TPGroup, TPShard
+from engine.parallel import DEFAULT_TIMEOUT_S, TRANSPORTS, TPGroup, TPShard
 from engine.request import Request
 from engine.sampler import request_seed
 from engine.sampling_params import SamplingParams
@@ -107,10 +107,13 @@ class EngineCore:
         vocab_parallel_lm_head: bool = False,
         tp_host: str = "127.0.0.1",
         tp_launcher: Callable | None = None,
+        tp_transport: str = "gloo",
     ) -> None:
         self.model_dir = resolve_model(model)
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
         TPShard.of(cfg, 0, tensor_parallel_size, vocab_parallel_lm_head)  # raises if N does not fit the model
+        if tp_transport not in TRANSPORTS:
+            raise ValueError(f"tp_transport must be one of {list(TRANSPORTS)}, got {tp_transport!r}")
         if tensor_parallel_size > 1 and kv_connector is not None:
             raise ValueError("tensor_parallel_size > 1 with a KV connector is not supported yet: the connector would "
                              "see only the leader's KV heads (issue 35, item 3)")
@@ -142,7 +145,7 @@ class EngineCore:
                          max_model_len=self.max_model_len, attention_backend=attention_backend)
         if tensor_parallel_size > 1:
             self.runner = self._start_tensor_parallel(tensor_parallel_size, tp_timeout_s, vocab_parallel_lm_head,
-                                                      tp_host, tp_launcher, runner_kw)
+                                                      tp_host, tp_launcher, tp_transport, runner_kw)
         else:
             self.runner = ModelRunner(self.model_dir, cfg, **runner_kw)
         if kv_connector is not None:
@@ -158,7 +161,7 @@ class EngineCore:
         self._ids = itertools.count()
 
     def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, host: str,
-                               launcher: Callable | None, runner_kw: dict) -> ModelRunner:
+                               launcher: Callable | None, transport: str, runner_kw: dict) -> ModelRunner:
         """Start followers 1..world-1, load the leader's shard meanwhile, join the group.
 
         The group's store listens on `host` (a free port). `launcher(spec, world, init_method,
@@ -184,13 +187,14 @@ class EngineCore:
             page_size=runner_kw["page_size"], num_pages=runner_kw["num_pages"],
             max_model_len=runner_kw["max_model_len"],
             attention_backend=resolve_backend_name(runner_kw["attention_backend"], self.device), timeout_s=timeout_s,
-            vocab_parallel=vocab_parallel,
+            vocab_parallel=vocab_parallel, transport=transport,
         )
         store = connect_store(f"tcp://{host}:0", is_master=True, timeout_s=timeout_s)  # binds a free port
         init_method = f"tcp://{host}:{store.port}"
         followers = (launcher or LocalFollowers)(spec, world, init_method, devices,
                                                  max(1, torch.get_num_threads() // world))
-        group = TPGroup(store, 0, world, self.device, host=host, timeout_s=timeout_s, liveness=followers.check)
+        group = TPGroup(store, 0, world, self.device, host=host, timeout_s=timeout_s, liveness=followers.check,
+                        transport=transport)
         # stops the followers when this engine is closed, collected, or at interpreter exit
         self._tp_finalizer = weakref.finalize(self, _stop_tensor_parallel, group, followers, store)
         self._tp, self._tp_followers = group, followers

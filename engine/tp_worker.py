@@ -53,6 +53,7 @@ class ShardSpec:
     attention_backend: str
     timeout_s: float = DEFAULT_TIMEOUT_S
     vocab_parallel: bool = False
+    transport: str = "gloo"  # CPU all-reduces: "gloo" or "socket" (engine/parallel.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,7 +96,8 @@ class TPFollower:
         try:
             cfg = ModelConfig.from_pretrained(spec.model_dir)
             host = parse_init_method(self.init_method)[0]
-            self.group = TPGroup(store, self.rank, self.world, self.device, host=host, timeout_s=spec.timeout_s)
+            self.group = TPGroup(store, self.rank, self.world, self.device, host=host, timeout_s=spec.timeout_s,
+                                 transport=spec.transport)
             runner = ModelRunner(
                 Path(spec.model_dir), cfg, dtype=getattr(torch, spec.dtype), device=self.device,
                 page_size=spec.page_size, num_pages=spec.num_pages, max_model_len=spec.max_model_len,
