@@ -329,16 +329,20 @@ class TPGroup:
 
     # -- leader ------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise TPGroupError if the group cannot run a step (a lost rank, an earlier failure)."""
+        """Raise TPGroupError if the group cannot run a step (a lost rank, an earlier failure);
+        the message names a rank known to be gone, whatever broke the group first."""
         if self.broken is None and self.pg is None:
             self.mark_broken("the process group is not connected (closed, or never joined)")
-        if self.broken is None and self.liveness is not None:
+        lost = None
+        if self.liveness is not None:
             try:
                 self.liveness()
             except TPGroupError as exc:
-                self.mark_broken(str(exc))
+                lost = str(exc)
+                self.mark_broken(lost)
         if self.broken is not None:
-            raise TPGroupError(f"tensor-parallel group of {self.world} ranks is broken: {self.broken}")
+            extra = f"; {lost}" if lost is not None and lost not in self.broken else ""
+            raise TPGroupError(f"tensor-parallel group of {self.world} ranks is broken: {self.broken}{extra}")
 
     def send_step(self, inputs: StepInputs) -> None:
         """Leader: hand this step's inputs to every follower (they start at once)."""

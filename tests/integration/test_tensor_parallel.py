@@ -13,7 +13,8 @@ batch of prompts of many lengths, page sizes 16 and 1, chunked prefill mixed wit
 KV heads replicated (a 1-KV-head derivative of the tiny llama at TP=2); TP=4 (2 KV heads on 4
 ranks) in the slow suite. Also: a TP that does not divide the heads is refused naming the field
 and the head counts; a follower killed with SIGKILL fails the next steps with an error naming
-it (no hang); close() and garbage collection stop the followers.
+it (no hang); close() and garbage collection stop the followers. Both CPU transports (gloo,
+and the socket one) carry the all-reduces of some of these tests.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -158,11 +160,14 @@ def test_tp2_greedy_matches_transformers(arch, vocab_parallel, reference, tp_llm
 def test_tp2_replicated_kv_head_page1_chunked_prefill(reference, tp_llm):
     # 4 q heads over 1 KV head: each rank holds the same KV head for its 2 q heads. Page size 1,
     # and a 24-token step budget: the long prompts are prefilled in chunks next to decodes.
+    # All-reduces over the socket transport (the tests above: gloo).
     model_dir, prompts, expected = reference("llama-1kv")
-    llm = tp_llm(model_dir, tensor_parallel_size=2, page_size=1, max_num_batched_tokens=24, max_num_seqs=4)
+    llm = tp_llm(model_dir, tensor_parallel_size=2, page_size=1, max_num_batched_tokens=24, max_num_seqs=4,
+                 tp_transport="socket")
     assert llm.runner.shard.num_kv_heads == 1 and llm.runner.shard.kv_head_start == 0
+    assert llm.runner.tp.transport == "socket"
     outs = llm.generate(prompts, GREEDY)
-    assert_greedy_matches("TP=2 llama-1kv page 1 chunked", model_dir, prompts, outs, expected)
+    assert_greedy_matches("TP=2 llama-1kv page 1 chunked, socket", model_dir, prompts, outs, expected)
     assert_no_leaks(llm)
 
 
@@ -180,22 +185,36 @@ def test_tp_with_a_kv_connector_is_refused_for_now(tiny_model):
 
     with pytest.raises(ValueError, match="KV connector"):
         LLM(tiny_model("llama"), tensor_parallel_size=2, kv_connector=object())
+    with pytest.raises(ValueError, match="tp_transport"):
+        LLM(tiny_model("llama"), tensor_parallel_size=2, tp_transport="mpi")
 
 
 def test_killed_follower_fails_the_next_steps_clearly(tiny_model, tp_llm):
-    llm = tp_llm(tiny_model("llama"), tensor_parallel_size=2, tp_timeout_s=20)
+    # tp_timeout_s is long: every failure below is seen well before a timeout could fire
+    llm = tp_llm(tiny_model("llama"), tensor_parallel_size=2, tp_timeout_s=60, tp_transport="socket")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert llm.generate([[1, 2, 3]], params)[0].finish_reason == "length"
     assert llm.tensor_parallel_error is None
     (pid,) = llm.tensor_parallel_pids
+    # Mid-step: the follower stops, the leader's step waits in its first all-reduce; the
+    # follower is then killed and that step fails at once.
+    os.kill(pid, signal.SIGSTOP)
+    result = {}
+    step = threading.Thread(target=lambda: result.update(out=llm.generate([[4, 5, 6]], params)[0]))
+    step.start()
+    step.join(1.0)
+    assert step.is_alive(), "the step should be waiting for the stopped follower"
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: llm.tensor_parallel_error is not None, what="the leader sees its follower gone")
-    assert f"pid {pid}" in llm.tensor_parallel_error and "signal 9" in llm.tensor_parallel_error
-    for _ in range(2):  # this step and the next: each fails at once, no hang
+    step.join(10)
+    assert not step.is_alive(), "the leader hangs on its dead follower"
+    out = result["out"]
+    assert out.finish_reason == "error" and "TPGroupError" in out.error and "connection closed" in out.error
+    # Later steps: refused before they start, naming the dead rank
+    wait_until(lambda: "signal 9" in (llm.tensor_parallel_error or ""), what="the leader names its dead follower")
+    for _ in range(2):
         start = time.monotonic()
-        (out,) = llm.generate([[4, 5, 6]], params)
-        assert out.finish_reason == "error"
-        assert "rank 1" in out.error and "TPGroupError" in out.error
+        (out,) = llm.generate([[7, 8, 9]], params)
+        assert out.finish_reason == "error" and "TPGroupError" in out.error and "broken" in out.error
         assert time.monotonic() - start < 5
     assert_no_leaks(llm)
 
@@ -226,8 +245,9 @@ def test_tp4_replicated_kv_heads_match_transformers(arch, vocab_parallel, refere
 
 
 @pytest.mark.slow
-def test_stopped_follower_times_out_instead_of_hanging(tiny_model, tp_llm):
-    llm = tp_llm(tiny_model("llama"), tensor_parallel_size=2, tp_timeout_s=3)
+@pytest.mark.parametrize("transport", ["gloo", "socket"])
+def test_stopped_follower_times_out_instead_of_hanging(transport, tiny_model, tp_llm):
+    llm = tp_llm(tiny_model("llama"), tensor_parallel_size=2, tp_timeout_s=3, tp_transport=transport)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     (pid,) = llm.tensor_parallel_pids
     os.kill(pid, signal.SIGSTOP)  # alive, but never answers
