@@ -73,12 +73,15 @@ class TPFollower:
     """One non-leader rank: its shard, its KV cache, and the step loop (module docstring)."""
 
     def __init__(self, spec: ShardSpec, rank: int, world: int, init_method: str, *,
-                 device: str | torch.device = "cpu", num_threads: int | None = None) -> None:
+                 device: str | torch.device = "cpu", num_threads: int | None = None, host: str | None = None) -> None:
+        """`host`: the address of this rank's node that gloo binds (default: the leader's, right
+        when the follower runs on the leader's host)."""
         if not 0 < rank < world:
             raise ValueError(f"a follower's rank must be in [1, {world}), got {rank}")
         self.spec, self.rank, self.world, self.init_method = spec, rank, world, init_method
         self.device = torch.device(device)
         self.num_threads = num_threads
+        self.host = host or parse_init_method(init_method)[0]
         self.group: TPGroup | None = None
 
     def run(self) -> None:
@@ -95,8 +98,7 @@ class TPFollower:
         store = connect_store(self.init_method, is_master=False, timeout_s=IDLE_POLL_S)
         try:
             cfg = ModelConfig.from_pretrained(spec.model_dir)
-            host = parse_init_method(self.init_method)[0]
-            self.group = TPGroup(store, self.rank, self.world, self.device, host=host, timeout_s=spec.timeout_s,
+            self.group = TPGroup(store, self.rank, self.world, self.device, host=self.host, timeout_s=spec.timeout_s,
                                  transport=spec.transport)
             runner = ModelRunner(
                 Path(spec.model_dir), cfg, dtype=getattr(torch, spec.dtype), device=self.device,
@@ -199,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("init_method", help="tcp://HOST:PORT of the leader's store")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--host", default=None, help="this node's address for gloo (default: the leader's)")
     parser.add_argument("--die-with-parent", action="store_true")
     args = parser.parse_args(argv)
     if args.die_with_parent:
         _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"tp rank {args.rank}: %(levelname)s %(message)s")
     follower = TPFollower(ShardSpec.from_json(args.spec), args.rank, args.world, args.init_method,
-                          device=args.device, num_threads=args.threads or None)
+                          device=args.device, num_threads=args.threads or None, host=args.host)
     try:
         follower.run()
     except TPGroupError as exc:
