@@ -13,12 +13,20 @@ finish_reason "error" naming the exception; the next step runs as usual.
 
 `LLM` (llm.py) adds the batch `generate` API; the prefill and decode workers configure an
 EngineCore (its connector, their policies) and call only its methods.
+
+With `tensor_parallel_size=N > 1` this engine is the leader (rank 0) of a tensor-parallel group
+(engine/parallel.py): it starts N-1 follower processes on this host (engine/tp_worker.py), each
+with its shard of the model and the KV cache of its KV heads, and hands them every step's
+batch; scheduling, sampling and detokenizing stay here. A lost follower fails the step that
+finds it (its requests end with finish_reason "error" naming the rank) and every step after:
+`tensor_parallel_error` says why; the engine must be replaced. `close()` stops the followers.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +40,7 @@ from engine.kv_connector import KVConnector, KVEventKind
 from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput, Resume
+from engine.parallel import DEFAULT_TIMEOUT_S, TRANSPORTS, TPGroup, TPShard
 from engine.request import Request
 from engine.sampler import request_seed
 from engine.sampling_params import SamplingParams
@@ -93,9 +102,22 @@ class EngineCore:
         detokenize: bool = True,
         kv_connector: KVConnector | None = None,
         on_kv_failure: KVFailurePolicy | None = None,
+        tensor_parallel_size: int = 1,
+        tp_timeout_s: float = DEFAULT_TIMEOUT_S,
+        vocab_parallel_lm_head: bool = False,
+        tp_host: str = "127.0.0.1",
+        tp_launcher: Callable | None = None,
+        tp_transport: str = "gloo",
     ) -> None:
         self.model_dir = resolve_model(model)
         self.config = cfg = ModelConfig.from_pretrained(self.model_dir)
+        TPShard.of(cfg, 0, tensor_parallel_size, vocab_parallel_lm_head)  # raises if N does not fit the model
+        if tp_transport not in TRANSPORTS:
+            raise ValueError(f"tp_transport must be one of {list(TRANSPORTS)}, got {tp_transport!r}")
+        if tensor_parallel_size > 1 and kv_connector is not None:
+            raise ValueError("tensor_parallel_size > 1 with a KV connector is not supported yet: the connector would "
+                             "see only the leader's KV heads (issue 35, item 3)")
+        self.tensor_parallel_size = tensor_parallel_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_half_matmul():
@@ -109,17 +131,23 @@ class EngineCore:
         if num_pages is None:
             budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
             wanted = pages_for(self.max_model_len, page_size) * max_num_seqs
-            num_pages = max(1, min(budget // page_bytes(cfg, page_size, self.dtype), wanted))
+            # the budget is per rank: each holds the KV of its own KV heads
+            num_pages = max(1, min(budget // page_bytes(cfg, page_size, self.dtype, tensor_parallel_size), wanted))
         _check_positive(num_pages=num_pages)
         self.page_size = page_size
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching)
         self.connector = kv_connector
         self.on_kv_failure = on_kv_failure
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, kv_connector)
-        self.runner = ModelRunner(
-            self.model_dir, cfg, dtype=self.dtype, device=self.device, page_size=page_size,
-            num_pages=num_pages, max_model_len=self.max_model_len, attention_backend=attention_backend,
-        )
+        self._tp: TPGroup | None = None
+        self._tp_followers = None
+        runner_kw = dict(dtype=self.dtype, device=self.device, page_size=page_size, num_pages=num_pages,
+                         max_model_len=self.max_model_len, attention_backend=attention_backend)
+        if tensor_parallel_size > 1:
+            self.runner = self._start_tensor_parallel(tensor_parallel_size, tp_timeout_s, vocab_parallel_lm_head,
+                                                      tp_host, tp_launcher, tp_transport, runner_kw)
+        else:
+            self.runner = ModelRunner(self.model_dir, cfg, **runner_kw)
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.kv_caches)
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -131,6 +159,69 @@ class EngineCore:
         self._ended: list[Request] = []  # ended outside a step (aborted): their output is due
         self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
         self._ids = itertools.count()
+
+    def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, host: str,
+                               launcher: Callable | None, transport: str, runner_kw: dict) -> ModelRunner:
+        """Start followers 1..world-1, load the leader's shard meanwhile, join the group.
+
+        The group's store listens on `host` (a free port). `launcher(spec, world, init_method,
+        devices, num_threads)` starts the followers and returns their handle (`check()` raises
+        TPGroupError for a lost one, `stop(timeout_s)`, `pids`); the default, `LocalFollowers`,
+        runs them as subprocesses here. A Ray deployment passes one that starts a TPFollower per
+        placement-group bundle, with `host` this node's address."""
+        from engine.attention import resolve_backend_name
+        from engine.tp_worker import LocalFollowers, ShardSpec, connect_store, wait_ready
+
+        devices = ["cpu"] * world
+        if self.device.type == "cuda":
+            first = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            if torch.cuda.device_count() < first + world:
+                raise ValueError(f"tensor_parallel_size={world} needs {world} CUDA devices from cuda:{first}; "
+                                 f"this host has {torch.cuda.device_count()}")
+            devices = [f"cuda:{first + r}" for r in range(world)]
+            self.device = torch.device(devices[0])
+            runner_kw["device"] = self.device
+            torch.cuda.set_device(self.device)
+        spec = ShardSpec(
+            model_dir=str(self.model_dir), dtype=str(self.dtype).removeprefix("torch."),
+            page_size=runner_kw["page_size"], num_pages=runner_kw["num_pages"],
+            max_model_len=runner_kw["max_model_len"],
+            attention_backend=resolve_backend_name(runner_kw["attention_backend"], self.device), timeout_s=timeout_s,
+            vocab_parallel=vocab_parallel, transport=transport,
+        )
+        store = connect_store(f"tcp://{host}:0", is_master=True, timeout_s=timeout_s)  # binds a free port
+        init_method = f"tcp://{host}:{store.port}"
+        followers = (launcher or LocalFollowers)(spec, world, init_method, devices,
+                                                 max(1, torch.get_num_threads() // world))
+        group = TPGroup(store, 0, world, self.device, host=host, timeout_s=timeout_s, liveness=followers.check,
+                        transport=transport)
+        # stops the followers when this engine is closed, collected, or at interpreter exit
+        self._tp_finalizer = weakref.finalize(self, _stop_tensor_parallel, group, followers, store)
+        self._tp, self._tp_followers = group, followers
+        try:
+            runner = ModelRunner(self.model_dir, self.config, tp=group, vocab_parallel=vocab_parallel, **runner_kw)
+            wait_ready(store, world, followers.check)
+            group.connect()
+        except BaseException:
+            self._tp_finalizer()
+            raise
+        return runner
+
+    @property
+    def tensor_parallel_pids(self) -> list[int]:
+        """The follower processes of this engine's tensor-parallel group (none at TP=1)."""
+        return self._tp_followers.pids if self._tp_followers is not None else []
+
+    @property
+    def tensor_parallel_error(self) -> str | None:
+        """Why this engine's tensor-parallel group cannot run steps any more (None: it can)."""
+        if self._tp is None:
+            return None
+        try:
+            self._tp.check()
+        except RuntimeError as exc:
+            return str(exc)
+        return None
 
     # ---- request intake -------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -386,6 +477,16 @@ class EngineCore:
             self.connector.close()
             self._apply_kv_events()
         self._ended.clear()
+        if self._tp is not None:
+            self._tp_finalizer()
+
+
+def _stop_tensor_parallel(group: TPGroup, followers, store) -> None:
+    group.stop_followers()
+    followers.stop()
+    group.mark_broken("the engine is closed")
+    group.close()
+    del store  # the store (and its server thread) goes with the last reference
 
 
 def _check_positive(**values: int) -> None:

@@ -3,6 +3,10 @@
     llm = LLM(model_dir)                        # or a built-in name: "tiny", "qwen3-small", ...
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
+`LLM(model_dir, tensor_parallel_size=2)` runs the model over 2 ranks: this process leads, one
+follower process holds the other half of every layer's heads (engine/parallel.py); `close()`
+(or garbage collection, or exit) stops it.
+
 Streaming users call `add_request` and then `step()` until `has_unfinished_requests()` is
 False; each step returns the requests whose output changed, with `new_token_ids`/`new_text`.
 """

@@ -3,6 +3,10 @@
 Checkpoint names map onto the fused layout of engine.model: q/k/v projections concatenated into
 `qkv_proj`, gate/up into `gate_up_proj`. A missing or unexpected tensor, or a shape that does
 not match the config, fails the load with the tensor's name.
+
+A tensor-parallel rank (`shard`, engine/parallel.py) reads the whole checkpoint and keeps its
+slices: q/k/v and gate/up rows of its heads and MLP columns, o_proj and down_proj columns
+(their biases whole: added once, after the all-reduce); everything else whole.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, UnsupportedModelError
-from engine.model import DecoderLM
+from engine.model import AllReduce, DecoderLM
+from engine.parallel import TPShard
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -95,8 +100,33 @@ def _keep(tensor, *args, **kwargs):
     return tensor
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> DecoderLM:
+def shard_tensor(name: str, value: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that rank `shard` holds (a copy, so the whole
+    tensor can be freed), or `value` itself when every rank holds all of it."""
+    if shard.world == 1:
+        return value
+    if name == "lm_head.weight" and shard.vocab_parallel:
+        return value[shard.vocab_start : shard.vocab_start + shard.vocab_size].clone()
+    hd = cfg.head_dim
+    q = slice(shard.q_head_start * hd, (shard.q_head_start + shard.num_heads) * hd)
+    kv = slice(shard.kv_head_start * hd, (shard.kv_head_start + shard.num_kv_heads) * hd)
+    mlp = slice(shard.intermediate_start, shard.intermediate_start + shard.intermediate_size)
+    module, _, kind = name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}.get(proj)
+    if rows is not None:
+        return value[rows].clone()
+    cols = {"o_proj": q, "down_proj": mlp}.get(proj)
+    if cols is not None and kind == "weight":
+        return value[:, cols].contiguous()
+    return value
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> DecoderLM:
+    """The model, or with `shard` one tensor-parallel rank's part of it (engine/parallel.py)."""
     model_dir = Path(model_dir)
+    shard = shard or TPShard.of(cfg)
     tensors = read_tensors(model_dir)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
@@ -113,11 +143,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     # assigned below. An init on meta runs torch's Python reference kernels, whose first use
     # imports torch._dynamo: 2 s or more of every worker's start-up (and of a restart).
     with torch.device("meta"), _no_init():
-        model = DecoderLM(cfg, dtype, max_positions)
+        model = DecoderLM(cfg, dtype, max_positions, shard, all_reduce)
     state = {}
     params = dict(model.named_parameters())
     for ours, parts in fused.items():
-        value = torch.cat([tensors[p] for p in parts], dim=0) if len(parts) > 1 else tensors[parts[0]]
+        pieces = [shard_tensor(p, tensors.pop(p), cfg, shard) for p in parts]
+        value = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
         if tuple(value.shape) != tuple(params[ours].shape):
             raise UnsupportedModelError(
                 f"{model_dir}: tensor {parts} has shape {tuple(value.shape)}, config implies {tuple(params[ours].shape)}"

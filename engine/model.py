@@ -4,6 +4,10 @@ Tokens of every sequence in a step are packed into one flat batch (no padding). 
 through an `AttentionBackend`, which owns the paged KV cache reads and writes; everything else
 is plain torch ops in the same order as Hugging Face's implementation, so float32 results match.
 q/k/v and gate/up projections are fused into one matmul each (weights concatenated at load).
+
+Under tensor parallelism (engine/parallel.py) a rank's model is built for its `TPShard`: its q
+and KV heads, its slice of the MLP; o_proj and down_proj are `RowParallelLinear`s, whose
+partial outputs are summed over the ranks by `all_reduce` before the bias is added.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
+from engine.parallel import TPShard
 from engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -32,15 +37,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split over the ranks: each computes a partial
+    product, `all_reduce` sums them in place, then the bias (whole on every rank) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, all_reduce: AllReduce) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def _row_linear(in_features: int, out_features: int, bias: bool, all_reduce: AllReduce | None) -> nn.Linear:
+    if all_reduce is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, all_reduce)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = _row_linear(self.q_size, cfg.hidden_size, cfg.o_bias, all_reduce)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -58,10 +85,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = _row_linear(inter, cfg.hidden_size, cfg.mlp_bias, all_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -69,12 +97,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: TPShard, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, shard, all_reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, all_reduce)
 
     def forward(self, x, cos, sin, attn, kv_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
@@ -82,30 +110,43 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, shard: TPShard | None = None,
+                 all_reduce: AllReduce | None = None) -> None:
+        """The whole model, or with `shard` (and the group's `all_reduce` when shard.world > 1)
+        one tensor-parallel rank's part of it."""
         super().__init__()
         self.config = cfg
+        self.shard = shard = shard or TPShard.of(cfg)
+        if shard.world > 1 and all_reduce is None:
+            raise ValueError("a tensor-parallel shard needs its group's all_reduce")
+        reduce = all_reduce if shard.world > 1 else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, shard.vocab_size, bias=False)
         with torch.device("cpu"):  # computed, never on meta (engine.loader: it sets the real device's table)
             self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, attn: AttentionBackend, kv_caches: list[torch.Tensor],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer: Callable[[int], None] | None = None, final_norm: bool = True) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. `on_layer(i)` runs as
-        soon as layer i's K/V are in the cache (the prefill worker starts sending them)."""
+        soon as layer i's K/V are in the cache (the prefill worker starts sending them).
+        `final_norm=False`: a follower rank, which computes no logits, skips the norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, attn, kv_cache)
             if on_layer is not None:
                 on_layer(i)
-        return self.norm(x)
+        return self.norm(x) if final_norm else x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """Logits of this rank's LM head rows: the whole vocabulary unless vocab-parallel."""
+        if self.lm_head is None:
+            s = self.shard
+            weight = self.embed_tokens.weight[s.vocab_start : s.vocab_start + s.vocab_size]
+        else:
+            weight = self.lm_head.weight
         return F.linear(hidden, weight).float()
