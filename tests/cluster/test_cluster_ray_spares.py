@@ -13,6 +13,8 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from proto.pdcluster.v1 import inference_pb2 as pb
 from tests.helpers import collect, our_ray_processes, stub, wait_free, wait_until
 
@@ -26,6 +28,7 @@ def worker(st, wid):
     return next(w for w in st.workers if w.worker_id == wid)
 
 
+@pytest.mark.slow  # a cluster of its own (about 65 s): `make test-slow`
 def test_a_spare_takes_over_a_killed_decode_worker(tiny_model):
     from cluster.config import ClusterConfig
     from cluster.runtime import Cluster
