@@ -624,17 +624,22 @@ class Dispatcher:
 
     @staticmethod
     async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> bool:
-        """Cancel `rid` on both workers; whether the decode worker answered (False: it is gone)."""
-        answered = True
-        for handle in (prefill, decode):
-            if handle is None or not rid:
-                continue
+        """Cancel `rid` on both workers at once (a prefill worker deep in a long step must not
+        hold the decode worker's pages: the decode side never frees a page a write is still
+        landing in); whether the decode worker answered (False: it is gone)."""
+        async def one(handle: WorkerHandle) -> bool:
             try:
                 await asyncio.wait_for(handle.cancel(rid), 10)
+                return True
             except Exception as exc:
                 log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, _first_line(exc))
-                answered = answered and handle is not decode
-        return answered
+                return False
+
+        if not rid:
+            return True
+        handles = [h for h in (prefill, decode) if h is not None]
+        results = await asyncio.gather(*(one(h) for h in handles))
+        return all(ok for h, ok in zip(handles, results) if h is decode)
 
     async def drain_cleanup(self) -> None:
         """Finish pending cancels, drop pending load calls and stop reading the workers' output

@@ -149,9 +149,6 @@ def test_a_client_leaving_during_prefill_ends_the_request(served, door):
     assert server.service.served == served_before
 
 
-@pytest.mark.xfail(strict=True, reason="Dispatcher._abort (router/dispatch.py) cancels on the prefill worker first "
-                   "and awaits its answer before cancelling on the decode worker: a busy prefill engine keeps the "
-                   "decode worker's pages (allocated at admission, waiting for the KV) until it answers")
 def test_a_busy_prefill_worker_does_not_hold_the_decode_workers_pages(served):
     server, workers, _ = served
     decode = workers[1]
