@@ -128,9 +128,10 @@ class Cluster:
                                                         max_restarts=cfg.router.max_restarts).remote(
                     cfg, prefills, decodes, i)
                 self.routers.append(RouterRecord(name, actor))
-            starts = [r.actor.start.remote() for r in self.routers]
-            for r, address in zip(self.routers, ray.get(starts, timeout=max(deadline - time.monotonic(), 1))):
-                r.address = address
+            for r in self.routers:
+                # one after another: each router's warm-up runs requests named after the worker pair
+                # (router/dispatch.py), which two routers warming at once would both use
+                r.address = ray.get(r.actor.start.remote(), timeout=max(deadline - time.monotonic(), 1))
             for r in self.routers:
                 # asked of the router actor, not over its port: that may want TLS and a key
                 while not ray.get(r.actor.serving.remote(), timeout=max(deadline - time.monotonic(), 1)):
