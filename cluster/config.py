@@ -184,8 +184,9 @@ class RouterSettings(_Strict):
     http_max_body_bytes: int | None = Field(None, ge=1024, description="largest HTTP request body, refused with 413 "
                                                                        "from its Content-Length before it is read (a "
                                                                        "chunked body: as soon as it passes); null: "
-                                                                       "the largest request that can fit "
-                                                                       "max_model_len, as for gRPC")
+                                                                       "3 x the largest gRPC request that can fit "
+                                                                       "max_model_len (room for JSON escapes) + "
+                                                                       "64 KiB")
     http_header_timeout_s: float = Field(10.0, gt=0, le=3600,
                                          description="seconds a client has to send a request's headers, from the "
                                                      "connection (or its previous response) on; then the connection "

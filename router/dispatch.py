@@ -587,7 +587,7 @@ class Dispatcher:
         pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"
                  and (only is None or (only in (p.worker_id, d.worker_id) and partner_ok(p) and partner_ok(d)))]
         for prefill, decode in pairs:
-            rid = f"warm-up:{prefill.worker_id}->{decode.worker_id}"
+            rid = f"warm-up:{decode.channel}:{prefill.worker_id}->{decode.worker_id}"  # unique per router
             try:
                 await asyncio.wait_for(self._warm_pair(prefill, decode, rid, prompt_token_ids, params), timeout_s)
             except BaseException as exc:
