@@ -57,6 +57,13 @@ def _engine(model: str, tp: int, vocab_parallel: bool, transport: str, args):
                       max_num_seqs=max(args.streams, 1), max_num_batched_tokens=max(2048, args.prompt))
 
 
+def _step(core) -> None:
+    """One engine step; a request that failed makes the figures meaningless: stop."""
+    for out in core.step():
+        if out.finish_reason == "error":
+            raise SystemExit(f"a request failed, the run is void: {out.error}")
+
+
 def _prefill(core, rng: random.Random, n: int) -> float:
     from engine.sampling_params import SamplingParams
 
@@ -65,7 +72,7 @@ def _prefill(core, rng: random.Random, n: int) -> float:
 
     def run():
         while core.has_unfinished_requests():
-            core.step()
+            _step(core)
 
     return timed(run)[0]
 
@@ -79,10 +86,10 @@ def _decode(core, rng: random.Random, streams: int, prompt: int, steps: int) -> 
                          SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True))
     sched = core.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
-        core.step()  # the prefills, untimed
-    samples = [timed(core.step)[0] for _ in range(steps)]
+        _step(core)  # the prefills, untimed
+    samples = [timed(lambda: _step(core))[0] for _ in range(steps)]
     while core.has_unfinished_requests():
-        core.step()
+        _step(core)
     return samples
 
 

@@ -203,24 +203,42 @@ class SocketReducer:
     def all_reduce(self, t: torch.Tensor) -> None:
         raw = _bytes_of(t)
         if self.rank != 0:
-            self.peers[0].sendmsg([self._LEN.pack(len(raw)), raw])
-            _recv_exact(self.peers[0], raw)
+            self._io(0, self._send_message, self.peers[0], raw)
+            self._io(0, _recv_exact, self.peers[0], raw)
             return
         scratch = self._scratch_bytes(len(raw))
         for r, conn in enumerate(self.peers, start=1):
-            self._recv_message(conn, r, memoryview(scratch.numpy()))
+            self._io(r, self._recv_message, conn, r, memoryview(scratch.numpy()))
             t.add_(scratch.view(t.dtype).view(t.shape))
-        for conn in self.peers:
-            conn.sendall(raw)
+        for r, conn in enumerate(self.peers, start=1):
+            self._io(r, conn.sendall, raw)
 
     def gather(self, local: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """Followers send `local`; the leader gets every rank's into `parts` (its own first)."""
         if self.rank != 0:
-            self.peers[0].sendmsg([self._LEN.pack(local.numel() * local.element_size()), _bytes_of(local)])
+            self._io(0, self._send_message, self.peers[0], _bytes_of(local))
             return
         parts[0].copy_(local)
         for r, conn in enumerate(self.peers, start=1):
-            self._recv_message(conn, r, _bytes_of(parts[r]))
+            self._io(r, self._recv_message, conn, r, _bytes_of(parts[r]))
+
+    def _io(self, rank: int, fn, *args) -> None:
+        """Run one send or receive with rank `rank`; a lost or silent peer raises, naming it."""
+        try:
+            fn(*args)
+        except TimeoutError as exc:
+            raise TimeoutError(f"rank {rank} silent for {self.timeout_s:g} s") from exc
+        except OSError as exc:  # closed, reset, broken pipe: the peer is gone
+            raise ConnectionError(f"connection to rank {rank} lost ({exc})") from exc
+
+    def _send_message(self, conn: socket.socket, raw: memoryview) -> None:
+        header = self._LEN.pack(len(raw))
+        sent = conn.sendmsg([header, raw])  # one segment for small messages; finish what it left
+        if sent < len(header):
+            conn.sendall(header[sent:])
+            conn.sendall(raw)
+        elif sent < len(header) + len(raw):
+            conn.sendall(raw[sent - len(header):])
 
     def _recv_message(self, conn: socket.socket, rank: int, buf: memoryview) -> None:
         (n,) = self._LEN.unpack(_recv_exact(conn, memoryview(bytearray(8))))
@@ -246,7 +264,7 @@ def _recv_exact(conn: socket.socket, buf: memoryview) -> memoryview:
     while got < len(buf):
         n = conn.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError("connection closed by the peer")
+            raise ConnectionError("closed by the peer")
         got += n
     return buf
 

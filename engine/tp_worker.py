@@ -123,16 +123,25 @@ def wait_ready(store: dist.Store, world: int, liveness: Callable[[], None], time
     reason, or when one exits, or after `timeout_s`."""
     pending = set(range(1, world))
     deadline = time.monotonic() + timeout_s
-    while pending:
+
+    def reported_errors() -> None:
         for r in sorted(pending):
             if store.check([ERROR_KEY.format(rank=r)]):
                 reason = store.get(ERROR_KEY.format(rank=r)).decode(errors="replace")
                 raise TPGroupError(f"tensor-parallel rank {r} could not start: {reason}")
+
+    while pending:
+        reported_errors()
+        for r in sorted(pending):
             if store.check([READY_KEY.format(rank=r)]):
                 pending.discard(r)
         if not pending:
             return
-        liveness()
+        try:
+            liveness()
+        except TPGroupError:
+            reported_errors()  # a rank that said why before it exited: its reason, not its exit code
+            raise
         if time.monotonic() > deadline:
             raise TPGroupError(f"tensor-parallel ranks {sorted(pending)} not ready within {timeout_s:g} s")
         time.sleep(0.02)

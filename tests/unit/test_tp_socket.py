@@ -96,3 +96,14 @@ def test_a_closed_or_out_of_step_peer_raises():
         ranks[0].all_reduce(torch.zeros(4))
     for r in ranks:
         r.shutdown()
+
+
+def test_large_messages_arrive_whole():
+    # 8 MiB per rank: more than a socket buffer, so sends and receives come in pieces
+    ranks = _group(3)
+    parts = [torch.full((2048, 1024), float(r + 1)) for r in range(3)]
+    got = [p.clone() for p in parts]
+    _run([lambda r=r: ranks[r].all_reduce(got[r]) for r in range(3)])
+    assert all(torch.equal(g, torch.full((2048, 1024), 6.0)) for g in got)
+    for r in ranks:
+        r.shutdown()
