@@ -466,6 +466,15 @@ async def scenario_disconnect(chaos, row, tools) -> None:
     row.extra["pages_freed_max_s"] = max(flat(times["pages"]), default=None)
     row.notes.append(f"slots freed within {row.extra['slot_freed_max_s']} s (max) of a leave, every page within "
                      f"{row.extra['pages_freed_max_s']} s (max); bounds {SLOT_BOUND_S} / {PAGES_BOUND_S} s")
+    per_stage = {}
+    for key in times["slot"]:
+        stage = key.split("/", 1)[0]
+        sl = [x for x in times["slot"][key] if x is not None]
+        pg = [x for x in times["pages"][key] if x is not None]
+        old_sl, old_pg = per_stage.get(stage, (0.0, 0.0))
+        per_stage[stage] = (max([old_sl, *sl]), max([old_pg, *pg]))
+    row.notes.append("max slot / pages freed per stage (s): " + ", ".join(
+        f"{k} {a:.3f}/{b:.3f}" for k, (a, b) in per_stage.items()))
     # then a normal request works
     status, raw, rtype, err = await asyncio.to_thread(send, host, port, "POST", "/v1/completions", json.dumps(
         {"prompt": "Hello", "max_tokens": 3}).encode(), "application/json")
