@@ -29,6 +29,14 @@ on 127.0.0.1 only) and runs scenarios against the router's gRPC endpoint:
   hang-decode           SIGSTOP of a decode worker for 2x router.worker_timeout_s while greedy
                         streams decode on it, then SIGCONT (bench/chaos_hang.py).
   hang-prefill          the same for a prefill worker while long prompts are being prefilled.
+  http-fuzz             random requests to the HTTP API (/v1/completions, /v1/chat/completions, streamed
+                        and not; random JSON in known and unknown fields, deep nesting, huge numbers,
+                        lone surrogates, NUL, bodies that are not JSON, wrong content types, methods and
+                        paths): a 4xx in OpenAI's error shape naming the field, or a valid 200; never a
+                        5xx or a hang (bench/chaos_client.py).
+  disconnect            gRPC and HTTP (streamed and not) clients that leave while queued, prefilling,
+                        transferring and decoding: the router's slot free within 1 s, every page
+                        within 2 s of each leave (bench/chaos_client.py).
 
 In the kill scenarios a trickle of short requests keeps arriving from just before the kill until
 the worker is back. The pid comes from ClusterStatus; Ray restarts the process and the router
@@ -62,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 SCENARIOS = ("fuzz", "cancel", "overflow", "flood", "http-flood", "kill-prefill", "kill-decode-transfer",
-             "kill-decode-stream", "kill-router", "hang-decode", "hang-prefill")
+             "kill-decode-stream", "kill-router", "hang-decode", "hang-prefill", "http-fuzz", "disconnect")
 GENERATE = "/pdcluster.v1.Inference/Generate"
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -86,6 +94,8 @@ class ChaosSettings:
     max_queue: int = 16
     scenarios: tuple[str, ...] = SCENARIOS
     fuzz_requests: int = 1000
+    http_fuzz_requests: int = 300
+    disconnect_reps: int = 2     # clients per stage and door in `disconnect`
     cancel_streams: int = 64
     overflow_factor: int = 4     # overflow sends this many times max_inflight + max_queue at once
     flood_clients: int = 3
@@ -190,6 +200,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=d.max_inflight, help="router max_inflight (default: 16)")
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="router max_queue (default: 16)")
     p.add_argument("--fuzz-requests", type=int, default=d.fuzz_requests, help="fuzz requests (default: 1000)")
+    p.add_argument("--http-fuzz-requests", type=int, default=d.http_fuzz_requests,
+                   help="http-fuzz requests (default: 300)")
     p.add_argument("--cancel-streams", type=int, default=d.cancel_streams, help="cancel-storm streams (default: 64)")
     p.add_argument("--flood-clients", type=int, default=d.flood_clients, help="flooding processes (default: 3)")
     p.add_argument("--flood-seconds", type=float, default=d.flood_s, help="flood duration (default: 10)")
@@ -201,7 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("prefill", "decode", "max_model_len", "max_inflight", "fuzz_requests", "concurrency",
+    for name in ("prefill", "decode", "max_model_len", "max_inflight", "fuzz_requests", "http_fuzz_requests",
+                 "concurrency",
                  "flood_clients", "stream_tokens"):
         if getattr(args, name) < 1:
             print(f"pdcluster bench chaos: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -216,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         s = ChaosSettings(model=args.model, dtype=args.dtype, transport=transport, prefill=args.prefill,
                           decode=args.decode, max_model_len=args.max_model_len, max_inflight=args.max_inflight,
                           max_queue=args.max_queue, scenarios=tuple(args.scenarios),
-                          fuzz_requests=args.fuzz_requests, cancel_streams=args.cancel_streams,
+                          fuzz_requests=args.fuzz_requests, http_fuzz_requests=args.http_fuzz_requests,
+                          cancel_streams=args.cancel_streams,
                           flood_clients=args.flood_clients, flood_s=args.flood_seconds,
                           stream_tokens=args.stream_tokens, concurrency=args.concurrency, seed=args.seed,
                           log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -239,7 +253,7 @@ def cluster_config(s: ChaosSettings):
                                  port=0, engine=engine)
     cfg.router.max_inflight, cfg.router.max_queue = s.max_inflight, s.max_queue
     cfg.router.worker_timeout_s = s.worker_timeout_s
-    if "http-flood" in s.scenarios:
+    if {"http-flood", "http-fuzz", "disconnect"} & set(s.scenarios):
         cfg.router.http_port = 0
     return cfg
 
@@ -599,6 +613,16 @@ class Chaos:
         from bench.chaos_http import scenario_http_flood
 
         await scenario_http_flood(self, row)
+
+    async def scenario_http_fuzz(self, row: Row) -> None:
+        from bench.chaos_client import scenario_http_fuzz
+
+        await scenario_http_fuzz(self, row, sys.modules[__name__])  # the suite's helpers, without an import back
+
+    async def scenario_disconnect(self, row: Row) -> None:
+        from bench.chaos_client import scenario_disconnect
+
+        await scenario_disconnect(self, row, sys.modules[__name__])
 
     # ---- kills ----------------------------------------------------------------------------------
     def greedy(self, ids: list[int], max_tokens: int, pin: str = ""):
