@@ -392,17 +392,19 @@ class Chaos:
             await asyncio.sleep(0.1)
         return None
 
-    async def kill(self, row: Row, wid: str) -> tuple[float, int, int]:
-        """kill -9 the worker's process (its pid from ClusterStatus); (time, pid, restarts before)."""
+    async def kill(self, row: Row, wid: str, sig: int = signal.SIGKILL) -> tuple[float, int, int]:
+        """Send `sig` (kill -9 by default; SIGSTOP hangs it) to the worker's process, its pid from
+        ClusterStatus; (time, pid, restarts before)."""
         w = _worker(await self.status(), wid)
         if not w.pid or w.node not in ("127.0.0.1", ""):
-            raise RuntimeError(f"{wid} has no local pid to kill (pid {w.pid}, node {w.node!r})")
+            raise RuntimeError(f"{wid} has no local pid to signal (pid {w.pid}, node {w.node!r})")
         cmd = _cmdline(w.pid)
         if "ray" not in cmd and "AsyncWorker" not in cmd:
             raise RuntimeError(f"pid {w.pid} of {wid} is not a Ray worker process: {cmd[:80]!r}")
-        os.kill(w.pid, signal.SIGKILL)
+        os.kill(w.pid, sig)
         row.killed += 1
-        self.log(f"chaos [{self.s.transport}]: killed {wid} (pid {w.pid})")
+        what = "killed" if sig == signal.SIGKILL else f"sent {signal.Signals(sig).name} to"
+        self.log(f"chaos [{self.s.transport}]: {what} {wid} (pid {w.pid})")
         return time.monotonic(), w.pid, w.restarts
 
     async def recovered(self, row: Row, wid: str, t_kill: float, pid: int, restarts: int) -> None:
@@ -804,11 +806,11 @@ class Chaos:
             verdicts[key] = verdicts.get(key, 0) + 1
         row.extra["streams"] = verdicts
 
-    async def scenario_kill_prefill(self, row: Row) -> None:
+    async def busy_prefill_pool(self, row: Row, verb: str) -> tuple[list, list, list, str]:
+        """Long greedy prompts sent to the prefill pool (4 a worker) and the worker seen busiest
+        with them: (requests, outcomes, their tasks, that worker); prefill-0 when every prompt was
+        prefilled before a busy worker was seen (a note says so)."""
         f = self.fuzzer
-        if not self.prefills:
-            row.notes.append("no prefill pool")
-            return
         specs = [self.greedy(f.ids(self.rng.randint(f.mml * 3 // 4, f.mml - 40)), 8)
                  for _ in range(4 * len(self.prefills))]
         outs = [Outcome() for _ in specs]
@@ -827,8 +829,35 @@ class Chaos:
 
         await _until_async(prefilling, 120)
         if not victim:
-            row.notes.append("every prompt was prefilled before a prefill worker was seen busy: killed prefill-0")
+            row.notes.append(f"every prompt was prefilled before a prefill worker was seen busy: {verb} prefill-0")
             victim = self.prefills[0]
+        return specs, outs, tasks, victim
+
+    async def judge_prefill_prompts(self, row: Row, victim: str, specs: list, outs: list, what: str) -> int:
+        """Judge the long prompts of busy_prefill_pool against references run now (run first, they
+        would have left the prompts in the prefix cache: nothing to interrupt); how many of them
+        were prefilled again (a second attempt)."""
+        refs = await self.references(row, specs)
+        verdicts: dict = {}
+        moved = 0
+        for req, out, ref in zip(specs, outs, refs):
+            final = out.final
+            # on the victim: prefilled again after it failed, or ended with an error about it
+            was_moved = final is not None and final.placement.attempts > 1
+            on_victim = was_moved or victim in out.details or (out.code != "OK" and "prefill" in out.details)
+            moved += was_moved
+            v = self.judge_stream(row, req, out, ref, on_victim, victim, f"a long prompt in the prefill pool while "
+                                                                           f"{victim} {what}")
+            key = f"{'on ' + victim if on_victim else 'elsewhere'}: {v}"
+            verdicts[key] = verdicts.get(key, 0) + 1
+        row.extra["streams"] = verdicts
+        return moved
+
+    async def scenario_kill_prefill(self, row: Row) -> None:
+        if not self.prefills:
+            row.notes.append("no prefill pool")
+            return
+        specs, outs, tasks, victim = await self.busy_prefill_pool(row, "killed")
         stop = asyncio.Event()
         by = self.bystanders(stop)
         t_kill, pid, restarts = await self.kill(row, victim)
@@ -837,21 +866,8 @@ class Chaos:
         await self.recovered(row, victim, t_kill, pid, restarts)
         stop.set()
         self.judge_bystanders(row, await by)
-        refs = await self.references(row, specs)  # after: see scenario_kill_decode_transfer
-        verdicts: dict = {}
-        retried = 0
-        for req, out, ref in zip(specs, outs, refs):
-            final = out.final
-            # on the killed worker: retried elsewhere after it failed, or ended with an error about it
-            was_retried = final is not None and final.placement.attempts > 1
-            on_victim = was_retried or victim in out.details or (out.code != "OK" and "prefill" in out.details)
-            retried += was_retried
-            v = self.judge_stream(row, req, out, ref, on_victim, victim,
-                                  f"a long prompt in the prefill pool while {victim} was killed")
-            key = f"{'on ' + victim if on_victim else 'elsewhere'}: {v}"
-            verdicts[key] = verdicts.get(key, 0) + 1
-        row.extra["streams"] = verdicts
-        row.extra["retried_on_another_prefill_worker"] = retried
+        row.extra["retried_on_another_prefill_worker"] = await self.judge_prefill_prompts(row, victim, specs, outs,
+                                                                                          "was killed")
 
 
 # ---- one call -----------------------------------------------------------------------------------
@@ -1435,12 +1451,9 @@ def _model_info_loop(address: str, seconds: float) -> tuple[list[float], int]:
 
 
 def _percentiles(lat: list[float]) -> dict:
-    if not lat:
-        return {"samples": 0}
-    xs = sorted(lat)
-    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1000  # noqa: E731
-    return {"samples": len(xs), "p50_ms": round(pick(0.5), 2), "p99_ms": round(pick(0.99), 2),
-            "max_ms": round(xs[-1] * 1000, 2)}
+    from bench.chaos_http import percentiles  # one definition for the gRPC and the HTTP floods
+
+    return percentiles(lat)
 
 
 def _fmt_ms(p: dict) -> str:

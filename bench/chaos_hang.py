@@ -25,22 +25,8 @@ from typing import Any
 
 HANGS = ("hang-decode", "hang-prefill")
 # The suite's own helpers reach these functions as `ch.tools` (bench.chaos passes its module's
-# Outcome, generate_call, _until, _until_async, _worker, _cmdline): this module imports nothing of
+# Outcome, generate_call, _until, _until_async, _worker, ...): this module imports nothing of
 # bench.chaos, which imports it.
-
-
-async def _stop(ch, row, wid: str) -> tuple[float, int]:
-    _cmdline, _worker = ch.tools._cmdline, ch.tools._worker
-    w = _worker(await ch.status(), wid)
-    if not w.pid or w.node not in ("127.0.0.1", ""):
-        raise RuntimeError(f"{wid} has no local pid to stop (pid {w.pid}, node {w.node!r})")
-    cmd = _cmdline(w.pid)
-    if "ray" not in cmd and "AsyncWorker" not in cmd:
-        raise RuntimeError(f"pid {w.pid} of {wid} is not a Ray worker process: {cmd[:80]!r}")
-    os.kill(w.pid, signal.SIGSTOP)
-    row.killed += 1
-    ch.log(f"chaos [{ch.s.transport}]: stopped {wid} (pid {w.pid}, SIGSTOP)")
-    return time.monotonic(), w.pid
 
 
 async def _state_within(ch, wid: str, want, bound_s: float) -> float | None:
@@ -62,7 +48,7 @@ async def _hang(ch, row, victim: str, tasks: list, outs: list) -> None:
     timeout = ch.s.worker_timeout_s
     stop = asyncio.Event()
     by = ch.bystanders(stop)
-    t_stop, pid = await _stop(ch, row, victim)
+    t_stop, pid, _ = await ch.kill(row, victim, signal.SIGSTOP)
     try:
         detect = await _state_within(ch, victim, lambda w: w.state == "unresponsive", timeout + 30)
         if detect is None:
@@ -121,42 +107,9 @@ async def scenario_hang_decode(ch, row) -> None:
 
 
 async def scenario_hang_prefill(ch, row) -> None:
-    Outcome, generate_call, _until_async = ch.tools.Outcome, ch.tools.generate_call, ch.tools._until_async
-    f = ch.fuzzer
     if not ch.prefills:
         row.notes.append("no prefill pool")
         return
-    specs = [ch.greedy(f.ids(ch.rng.randint(f.mml * 3 // 4, f.mml - 40)), 8) for _ in range(4 * len(ch.prefills))]
-    outs = [Outcome() for _ in specs]
-    tasks = [asyncio.ensure_future(generate_call(ch.chan(i), r.SerializeToString(), ch.s.call_timeout_s, out=outs[i]))
-             for i, r in enumerate(specs)]
-    victim = ""
-
-    async def prefilling() -> bool:
-        nonlocal victim
-        st = await ch.status()
-        busy = [(w.queued_tokens + w.running_requests, w.worker_id) for w in st.workers
-                if w.role == "prefill" and (w.queued_tokens or w.running_requests or w.waiting_requests)]
-        if busy:
-            victim = max(busy)[1]
-        return bool(busy) or all(o.done for o in outs)
-
-    await _until_async(prefilling, 120)
-    if not victim:
-        row.notes.append("every prompt was prefilled before a prefill worker was seen busy: stopped prefill-0")
-        victim = ch.prefills[0]
+    specs, outs, tasks, victim = await ch.busy_prefill_pool(row, "stopped")
     await _hang(ch, row, victim, tasks, outs)
-    refs = await ch.references(row, specs)  # after: a reference run first would leave them in the prefix cache
-    verdicts: dict = {}
-    moved = 0
-    for req, out, ref in zip(specs, outs, refs):
-        final = out.final
-        was_moved = final is not None and final.placement.attempts > 1
-        on_victim = was_moved or victim in out.details or (out.code != "OK" and "prefill" in out.details)
-        moved += was_moved
-        v = ch.judge_stream(row, req, out, ref, on_victim, victim,
-                            f"a long prompt in the prefill pool while {victim} was stopped")
-        key = f"{'on ' + victim if on_victim else 'elsewhere'}: {v}"
-        verdicts[key] = verdicts.get(key, 0) + 1
-    row.extra["streams"] = verdicts
-    row.extra["moved_to_another_attempt"] = moved
+    row.extra["moved_to_another_attempt"] = await ch.judge_prefill_prompts(row, victim, specs, outs, "was stopped")
