@@ -9,6 +9,7 @@ actors, and the router's process loads this module without the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ class WorkerSpec:
         return _node_address()
 
     def __call__(self):
+        with _start_up_priority():
+            return self._build()
+
+    def _build(self):
         import torch
 
         from kv_transfer.config import TransferConfig
@@ -58,6 +63,31 @@ class WorkerSpec:
                             on_transfer_failure=TransferFailurePolicy(self.engine.on_transfer_failure))
         return DecodeWorker(self.model, transport=None if colocated else self.transport, transfer_config=cfg,
                             config=dcfg, **engine)
+
+
+@contextlib.contextmanager
+def _start_up_priority():
+    """Build the worker at normal priority, then go back to Ray's worker niceness (15). A worker
+    restarted after a loss otherwise starts (imports, model load, KV pool, NIXL agent: seconds of
+    CPU) at the same low priority as the serving workers that took over its streams, and on a
+    busy node its start-up stretches several-fold. Raising priority needs CAP_SYS_NICE: without
+    it (a non-root pod) the worker simply starts at the niceness it has."""
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        yield
+        return
+    try:
+        raised = before > 0 and not os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        raised = False
+    try:
+        yield
+    finally:
+        if raised:  # Linux niceness is per thread: every thread made during the build goes back too
+            for tid in [0, *(int(t) for t in os.listdir("/proc/self/task"))]:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, before)
 
 
 def _bind_host(local: bool) -> str:
