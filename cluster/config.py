@@ -177,7 +177,9 @@ class RouterSettings(_Strict):
                                     description="a worker that answers nothing (no engine step, no load report) for "
                                                 "this long is marked unresponsive: no new placement, its streams "
                                                 "migrate, its prefills move to another worker; if it wakes, its late "
-                                                "outputs are ignored and it is taken back after a clean warm-up")
+                                                "outputs are ignored and it is taken back after a clean warm-up; "
+                                                "a router that answers nothing to the cluster's supervisor "
+                                                "for this long is killed, and Ray restarts it")
     request_log: str | None = Field(None, description="one JSON line per finished or failed request (ids, workers, "
                                                       "tokens, timings, error): a file path on the router's host, "
                                                       "- for the router's standard error, null: off")

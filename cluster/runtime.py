@@ -7,8 +7,10 @@ gcs/raylet/worker processes go with it).
 A supervisor thread watches every router actor (`RouterActor.info`, twice a second). Ray
 restarts a lost router's process (`router.max_restarts`); the supervisor sees the new process,
 calls its `start()` with the ports its first incarnation bound, and says when it serves again.
-A router that cannot come back (its restarts spent, or not serving within
-`router_return_timeout_s`) is recorded in `failure`, which `pdcluster serve` exits on.
+A router that answers nothing for `router.worker_timeout_s` (a stopped or deadlocked process,
+alive to Ray) is killed so that Ray restarts it. A router that cannot come back (its restarts
+spent, or not serving within `router_return_timeout_s`) is recorded in `failure`, which
+`pdcluster serve` exits on.
 
 A local cluster stays on loopback: Ray on 127.0.0.1 and every worker's KV endpoint and the
 router on 127.0.0.1. Joining an existing cluster (`address`), workers bind their node's IP.
@@ -204,7 +206,17 @@ class Cluster:
             self._lost(r, f"its process is gone ({type(exc).__name__})")
             self._overdue(r)
             return
-        except GetTimeoutError:  # restarting, or too busy to answer now
+        except GetTimeoutError:  # restarting, too busy to answer now, or hung
+            silent = time.monotonic() - r.last_answer
+            if r.lost_at is None and r.last_answer and silent > self.config.router.worker_timeout_s:
+                # alive to Ray but answering nothing (stopped, deadlocked): kill it so that Ray restarts it
+                if spent:
+                    self._fail(r, f"it answered nothing for {silent:.1f} s and Ray will not restart it "
+                                  f"(router.max_restarts {self.config.router.max_restarts} spent)")
+                    return
+                self._lost(r, f"it answered nothing for {silent:.1f} s (router.worker_timeout_s="
+                              f"{self.config.router.worker_timeout_s:g}): killed so that Ray restarts it")
+                ray.kill(r.actor, no_restart=False)
             self._overdue(r)
             return
         if info["pid"] != r.pid:

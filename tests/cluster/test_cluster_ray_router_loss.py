@@ -171,3 +171,35 @@ def test_two_routers_one_killed_the_other_serves_on(tiny_model, tmp_path):
     finally:
         cluster.stop()
     assert not our_ray_processes()
+
+
+def test_a_hung_router_is_killed_and_comes_back(tiny_model, tmp_path):
+    """A router process stopped (SIGSTOP: alive to Ray, answering nothing) is killed by the
+    supervisor once it has been silent for router.worker_timeout_s, and Ray restarts it."""
+    import ray
+
+    cluster, events = _start(tiny_model, tmp_path, worker_timeout_s=2.0)
+    pid = 0
+    try:
+        address = cluster.router_address
+        before, _, _ = collect(_stub(address), SHORT)
+        pid = ray.get(cluster.routers[0].actor.pid.remote(), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until(lambda: any(e.startswith(f"router-0 lost (pid {pid}): it answered nothing") for e in events),
+                   2.0 + SLACK_S, 0.05, "the supervisor giving up on the stopped router")
+        wait_until(lambda: _serving(address), RETURN_S + SLACK_S, 0.05, f"the router SERVING again on {address}")
+        print(f"\nrouter-0: SIGSTOP -> SERVING again (a new process) on {address} in {time.monotonic() - stopped:.1f} s")
+        assert ray.get(cluster.routers[0].actor.pid.remote(), timeout=30) != pid
+        after, _, _ = collect(_stub(address), SHORT)
+        assert after == before
+        wait_until(lambda: any(e.startswith("router-0 back") for e in events), 30, 0.05, "the supervisor's line")
+        assert not cluster.failure
+    finally:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGCONT)  # if it is still there
+            except ProcessLookupError:
+                pass
+        cluster.stop()
+    assert not our_ray_processes()
