@@ -1,13 +1,17 @@
 """The chaos suite's `kill-router` scenario (bench/chaos_router.py) on a real local Ray cluster
 of the tiny model: kill -9 of the router mid-stream; the streams end UNAVAILABLE after a prefix
 of the reference tokens (never a wrong token, never a hang), the router serves again on the
-same port, its predecessor's requests are cancelled on the workers and no page leaks."""
+same port, its predecessor's requests are cancelled on the workers and no page leaks. Slow: the
+default run covers the same loss and return in tests/cluster/test_cluster_ray_router_loss.py."""
 from __future__ import annotations
+
+import pytest
 
 from bench.chaos import ChaosSettings, format_notes, format_table, run_transport
 from tests.helpers import our_ray_processes
 
 
+@pytest.mark.slow
 def test_chaos_kill_router(tiny_model):
     tiny_model("llama")
     s = ChaosSettings(model="tiny", transport="nixl", prefill=1, decode=1, scenarios=("kill-router",),
