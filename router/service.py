@@ -48,6 +48,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.default_grace_s = 30.0
         self._handlers: set[asyncio.Task] = set()  # Generate calls past the draining check
         self._shutdown_reason = ""  # set when a drain's grace ran out: why the handlers are cancelled
+        # handlers suspended at a yield: their message is in the transport's hands (grpc.aio's send). A
+        # cancel landing there would end the call with no status, so a drain stops them when they resume
+        self._at_yield: set[asyncio.Task] = set()
+        self._stopping: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(lambda: dispatcher.views)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
@@ -116,14 +120,26 @@ class InferenceService(pb_grpc.InferenceServicer):
                         else:
                             m.itl.observe(now - last)
                         last = now
-                    yield self._chunk(rid, chunk)
+                    task = asyncio.current_task()
+                    self._at_yield.add(task)
+                    try:
+                        yield self._chunk(rid, chunk)
+                    finally:
+                        self._at_yield.discard(task)
+                    if task in self._stopping:  # a drain ran out of grace while this chunk was being sent
+                        raise asyncio.CancelledError
             final = self._final(rid, stats, ttft)
             # counted before the final message is yielded: a caller may stop at it and close
             # this generator (the HTTP stream does), and the request did finish
             self.served += 1
             self._observe_finished(rid, stats, final)
             finished = True
-            yield final
+            task = asyncio.current_task()
+            self._at_yield.add(task)
+            try:
+                yield final
+            finally:
+                self._at_yield.discard(task)
         except RequestError as exc:
             self.failed += 1
             self._log(rid, stats, {"error": exc.code.name})
@@ -170,8 +186,16 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._shutdown_reason = (f"the router is shutting down: this request was still running when the drain's "
                                      f"grace of {grace_s:g} s ran out")
             for t in left:
+                if t in self._at_yield:  # stops itself as its send returns (see __init__)
+                    self._stopping.add(t)
+                else:
+                    t.cancel()
+            _, stuck = await asyncio.wait(left, timeout=2)
+            for t in stuck:  # a send that does not return (a client that stopped reading): cancel anyway
                 t.cancel()
-            await asyncio.wait(left, timeout=10)
+            if stuck:
+                await asyncio.wait(stuck, timeout=8)
+            self._stopping.difference_update(left)
         return len(running) - len(left), len(left)
 
     async def Drain(self, request: pb.DrainRequest | BadRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
