@@ -84,6 +84,7 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from cluster.actors import RouterActor
+        from cluster.ray_start import init_local
         from engine.core import resolve_model
 
         cfg = self.config
@@ -95,9 +96,9 @@ class Cluster:
             for p in cfg.pools:
                 for k, v in p.resources.custom.items():
                     custom[k] = custom.get(k, 0.0) + v * (p.replicas + p.spare_replicas)
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=int(need_cpus + 0.999),
-                     resources=custom or None, log_to_driver=False,
-                     runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
+            init_local(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=int(need_cpus + 0.999),
+                       resources=custom or None, log_to_driver=False,
+                       runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
             self._started_ray = True
         else:
             # Joining a cluster: no UCX_NET_DEVICES=lo here (workers pick their node's interface,
