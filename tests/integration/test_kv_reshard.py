@@ -123,16 +123,16 @@ def test_each_receiver_rank_gets_exactly_its_heads(transport, p, d):
 
 def test_impossible_pairings_are_refused_naming_both_sides(transport):
     """A sender rank routed to a receiver rank it shares no head with (TP 2 rank 1 -> TP 2 rank 0),
-    and a sender whose head range is not its TP rank's (heads [1, 2) claimed as TP 1, i.e. the
-    whole model): both refused at the handshake, the transfer FAILED with both sides named, and
+    and a sender whose head range is not its TP rank's (head 0 alone claimed as TP 1, i.e. the
+    whole model; it shares head 0 with the receiver, so only the topology check refuses it): both refused at the handshake, the transfer FAILED with both sides named, and
     nothing written."""
     receiver_layout = layouts(2, RECEIVER_PAGE)[0]
     recv_pool = KVPool.allocate(SPEC, receiver_layout, NUM_PAGES)
     recv = create_receiver(transport, recv_pool)
-    partial = KVLayout(LAYERS, SENDER_PAGE, 1, 1, HEAD_DIM, "float32")  # tp 1 rank 0, yet only head 1
+    partial = KVLayout(LAYERS, SENDER_PAGE, 0, 1, HEAD_DIM, "float32")  # tp 1 rank 0, yet only head 0
     cases = {
         "misrouted": (layouts(2, SENDER_PAGE)[1], "do not overlap"),
-        "inconsistent": (partial, "sender layout inconsistent with its tensor-parallel topology: heads [1, 2) are "
+        "inconsistent": (partial, "sender layout inconsistent with its tensor-parallel topology: heads [0, 1) are "
                                   "not those of tp rank 0 of 1 over 2 kv heads, which holds [0, 2)"),
     }
     try:
