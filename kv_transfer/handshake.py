@@ -1,7 +1,15 @@
 """Versioned handshake: every peer connection starts with the sender's compatibility
 info (model id, layers, kv heads, head dim, dtype, page layout, protocol version, and
-their hash) and layout; the receiver answers accept or refuse with the failing field
-named. Nothing else is accepted from a sender that has not handshaken successfully.
+their hash) and layout, which carries the sender rank's tensor-parallel topology (TP size
+and rank); the receiver answers accept or refuse with the failing field named, and its own
+layout (its topology too). Nothing else is accepted from a sender that has not handshaken
+successfully.
+
+Besides model compatibility, the receiver refuses a pairing whose heads cannot line up:
+either side's layout not the head range its TP rank holds of the model's kv heads
+(engine/parallel.py TPShard, layout.tp_head_range), or no head in common. A refusal past
+the protocol checks names both sides (`sender tp 2 rank 1 heads [2, 4) page 16 float32 ... /
+receiver tp 4 rank 0 heads [0, 1) ...: why`); the sender fails its transfer with it.
 """
 from __future__ import annotations
 
@@ -67,14 +75,29 @@ def check_compat(local: CompatInfo, remote_msg: pb.CompatInfo,
     return None
 
 
-def check_layouts(sender: KVLayout, receiver: KVLayout) -> str | None:
-    """Layouts the transfer can map between (page sizes may differ; heads must overlap)."""
-    if sender.num_layers != receiver.num_layers or sender.head_dim != receiver.head_dim:
-        return "layout.num_layers/head_dim differ between sender and receiver"
+def check_layouts(sender: KVLayout, receiver: KVLayout, num_kv_heads: int | None = None) -> str | None:
+    """Layouts the transfer can map between (page sizes and TP sizes may differ; heads must
+    overlap). With `num_kv_heads` (the model's, agreed in the compat check) each side's head
+    range must also be the one its TP rank holds."""
+    for name in ("num_layers", "head_dim"):
+        if getattr(sender, name) != getattr(receiver, name):
+            return (f"layout.{name} differs: sender {getattr(sender, name)}, receiver "
+                    f"{getattr(receiver, name)}")
+    if num_kv_heads is not None:
+        for side, lay in (("sender", sender), ("receiver", receiver)):
+            why = lay.topology_error(num_kv_heads)
+            if why is not None:
+                return f"{side} layout inconsistent with its tensor-parallel topology: {why}"
     if max(sender.head_start, receiver.head_start) >= min(sender.head_end, receiver.head_end):
         return (f"layout heads do not overlap: sender [{sender.head_start}, {sender.head_end}), "
                 f"receiver [{receiver.head_start}, {receiver.head_end})")
     return None
+
+
+def describe_pair(sender: KVLayout | str, receiver: KVLayout) -> str:
+    """`sender <layout> / receiver <layout>` for refusal messages."""
+    s = sender.describe() if isinstance(sender, KVLayout) else sender
+    return f"sender {s} / receiver {receiver.describe()}"
 
 
 def make_request(spec: ModelSpec, layout: KVLayout, transport: str, sender_id: str,
@@ -95,11 +118,18 @@ def answer(request: pb.HandshakeRequest, spec: ModelSpec, layout: KVLayout, tran
     elif request.transport != transport:
         reason = f"transport {request.transport!r} sent to a {transport!r} receiver"
     else:
-        reason = check_compat(CompatInfo.of(spec, layout), request.compat, allowed_dtype_conversions)
-        if reason is None:
-            try:
-                reason = check_layouts(KVLayout.from_proto(request.layout), layout)
-            except ValueError as exc:
-                reason = f"layout invalid: {exc}"
+        try:
+            sender: KVLayout | str = KVLayout.from_proto(request.layout)
+        except ValueError as exc:
+            sender, reason = "(invalid layout)", f"sender layout invalid: {exc}"
+        else:
+            reason = check_compat(CompatInfo.of(spec, layout), request.compat, allowed_dtype_conversions)
+            if reason is None and (sender.num_layers, sender.head_dim, sender.dtype) != (
+                    request.compat.num_layers, request.compat.head_dim, request.compat.dtype):
+                reason = "sender layout disagrees with its own compat info on num_layers, head_dim or dtype"
+            if reason is None:
+                reason = check_layouts(sender, layout, spec.num_kv_heads)
+        if reason is not None:
+            reason = f"{describe_pair(sender, layout)}: {reason}"
     return pb.HandshakeReply(accepted=reason is None, reason=reason or "", layout=layout.to_proto(),
                              receiver_id=receiver_id)

@@ -24,9 +24,9 @@ NUM_PAGES = 48
 TOKENS = 200
 
 
-def lay(page_size=16, head_start=0, num_heads=8, dtype="float32", num_layers=6):
+def lay(page_size=16, head_start=0, num_heads=8, dtype="float32", num_layers=6, tp_size=1, tp_rank=0):
     return {"num_layers": num_layers, "page_size": page_size, "head_start": head_start, "num_heads": num_heads,
-            "head_dim": SPEC["head_dim"], "dtype": dtype}
+            "head_dim": SPEC["head_dim"], "dtype": dtype, "tp_size": tp_size, "tp_rank": tp_rank}
 
 
 def pages(n_needed: int, seed: int) -> list[int]:
@@ -140,7 +140,7 @@ def test_pages_arrive_exact(transport, child, case):
 def test_heads_one_sender_to_two_receivers(transport, child):
     """TP 1 -> 2: a sender holding heads [0, 8) feeds receivers holding [0, 4) and [4, 8)."""
     src_l = lay(16)
-    halves = {"ra": lay(16, 0, 4), "rb": lay(16, 4, 4)}
+    halves = {"ra": lay(16, 0, 4, tp_size=2, tp_rank=0), "rb": lay(16, 4, 4, tp_size=2, tp_rank=1)}
     sender = Side("sender", transport, src_l, seed=5)
     rid, src_pages, dst_pages = "req-split", pages(need(src_l), 3), pages(need(src_l), 4)
     try:
@@ -170,7 +170,7 @@ def test_heads_one_sender_to_two_receivers(transport, child):
 def test_heads_two_senders_to_one_receiver(transport, child):
     """TP 2 -> 1: senders holding [0, 4) and [4, 8) feed one receiver holding [0, 8). (grpc: two
     lanes each, so the first sender's lanes end while the receiver still waits for the second.)"""
-    parts = {"sa": (lay(16, 0, 4), 21), "sb": (lay(64, 4, 4), 22)}
+    parts = {"sa": (lay(16, 0, 4, tp_size=2, tp_rank=0), 21), "sb": (lay(64, 4, 4, tp_size=2, tp_rank=1), 22)}
     dst_l = lay(16)
     recv = Side("receiver", transport, dst_l)
     rid, dst_pages = "req-merge", pages(need(dst_l), 6)

@@ -22,8 +22,8 @@ SPEC = ModelSpec("tiny-kv", num_layers=3, num_kv_heads=4, head_dim=8)
 T = 70
 
 
-def pool(page_size=16, head_start=0, num_heads=4, dtype="float32", pages=24, seed=None) -> KVPool:
-    p = KVPool.allocate(SPEC, KVLayout(3, page_size, head_start, num_heads, 8, dtype), pages)
+def pool(page_size=16, head_start=0, num_heads=4, dtype="float32", pages=24, seed=None, tp=(1, 0)) -> KVPool:
+    p = KVPool.allocate(SPEC, KVLayout(3, page_size, head_start, num_heads, 8, dtype, *tp), pages)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         for t in p.layers:
@@ -65,7 +65,7 @@ def test_local_pages_exact_across_page_sizes(src_ps, dst_ps):
 
 def test_local_head_split_and_dtype():
     src = pool(16, seed=2)
-    a, b = pool(32, 0, 2, "bfloat16"), pool(16, 2, 2, "bfloat16")
+    a, b = pool(32, 0, 2, "bfloat16", tp=(2, 0)), pool(16, 2, 2, "bfloat16", tp=(2, 1))  # TP 1 -> 2
     sender, (ra, rb), sp, (pa, pb_), _ = transfer(src, [a, b])
     want = reference_tokens(src, sp, T).to(torch.bfloat16)
     assert torch.equal(reference_tokens(a, pa, T), want[:, :, :, 0:2])

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/pdcluster/v1/kv_transfer.proto\x12\x0cpdcluster.v1\"y\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xa6\x01\n\nCompatInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x0c\n\x04hash\x18\x08 \x01(\t\"\xc8\x01\n\x15\x44\x65stinationDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12(\n\x06\x63ompat\x18\x07 \x01(\x0b\x32\x18.pdcluster.v1.CompatInfo\"\x9f\x01\n\x0cNixlPoolInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x17\n\x0flayer_base_addr\x18\x03 \x03(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t\"\xce\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12(\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x18.pdcluster.v1.CompatInfo\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x11\n\tsender_id\x18\x05 \x01(\t\x12(\n\x04nixl\x18\x06 \x01(\x0b\x32\x1a.pdcluster.v1.NixlPoolInfo\"\xa4\x01\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x13\n\x0breceiver_id\x18\x04 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x05 \x01(\t\x12\x1a\n\x12nixl_conn_metadata\x18\x06 \x01(\x0c\"v\n\rBeginTransfer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"0\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05items\x18\x03 \x01(\r\"\xb6\x01\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x64st_page_ids\x18\x06 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x13\n\x0bwhole_pages\x18\x08 \x01(\x08\x12\x11\n\tdefer_ack\x18\t \x01(\x08\"]\n\x0b\x46inalNotice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"\xc6\x01\n\nNixlNotice\x12/\n\x0blayer_ready\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.LayerReadyH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdcluster.v1.FinalNoticeH\x00\x12-\n\nlayer_read\x18\x03 \x01(\x0b\x32\x17.pdcluster.v1.LayerReadH\x00\x12$\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x13.pdcluster.v1.AbortH\x00\x42\x06\n\x04kind\"B\n\nLayerReady\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\".\n\tLayerRead\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x08PushItem\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.pdcluster.v1.PageChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdcluster.v1.FinalNoticeH\x00\x42\x06\n\x04kind2\xf9\x01\n\nKVTransfer\x12I\n\tHandshake\x12\x1e.pdcluster.v1.HandshakeRequest\x1a\x1c.pdcluster.v1.HandshakeReply\x12\x37\n\x05\x42\x65gin\x12\x1b.pdcluster.v1.BeginTransfer\x1a\x11.pdcluster.v1.Ack\x12\x35\n\x04Push\x12\x16.pdcluster.v1.PushItem\x1a\x11.pdcluster.v1.Ack(\x01\x30\x01\x12\x30\n\x06\x43\x61ncel\x12\x13.pdcluster.v1.Abort\x1a\x11.pdcluster.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/pdcluster/v1/kv_transfer.proto\x12\x0cpdcluster.v1\"\x9b\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\"\xa6\x01\n\nCompatInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bpage_layout\x18\x06 \x01(\t\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x0c\n\x04hash\x18\x08 \x01(\t\"\xc8\x01\n\x15\x44\x65stinationDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12(\n\x06\x63ompat\x18\x07 \x01(\x0b\x32\x18.pdcluster.v1.CompatInfo\"\x9f\x01\n\x0cNixlPoolInfo\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x17\n\x0flayer_base_addr\x18\x03 \x03(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x10\n\x08mem_type\x18\x07 \x01(\t\"\xce\x01\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12(\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x18.pdcluster.v1.CompatInfo\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x11\n\tsender_id\x18\x05 \x01(\t\x12(\n\x04nixl\x18\x06 \x01(\x0b\x32\x1a.pdcluster.v1.NixlPoolInfo\"\xa4\x01\n\x0eHandshakeReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.KVLayout\x12\x13\n\x0breceiver_id\x18\x04 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x05 \x01(\t\x12\x1a\n\x12nixl_conn_metadata\x18\x06 \x01(\x0c\"v\n\rBeginTransfer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x14\n\x0csrc_page_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"0\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05items\x18\x03 \x01(\r\"\xb6\x01\n\tPageChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x64st_page_ids\x18\x06 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x13\n\x0bwhole_pages\x18\x08 \x01(\x08\x12\x11\n\tdefer_ack\x18\t \x01(\x08\"]\n\x0b\x46inalNotice\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x03\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"\xc6\x01\n\nNixlNotice\x12/\n\x0blayer_ready\x18\x01 \x01(\x0b\x32\x18.pdcluster.v1.LayerReadyH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdcluster.v1.FinalNoticeH\x00\x12-\n\nlayer_read\x18\x03 \x01(\x0b\x32\x17.pdcluster.v1.LayerReadH\x00\x12$\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x13.pdcluster.v1.AbortH\x00\x42\x06\n\x04kind\"B\n\nLayerReady\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\r\".\n\tLayerRead\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"h\n\x08PushItem\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.pdcluster.v1.PageChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdcluster.v1.FinalNoticeH\x00\x42\x06\n\x04kind2\xf9\x01\n\nKVTransfer\x12I\n\tHandshake\x12\x1e.pdcluster.v1.HandshakeRequest\x1a\x1c.pdcluster.v1.HandshakeReply\x12\x37\n\x05\x42\x65gin\x12\x1b.pdcluster.v1.BeginTransfer\x1a\x11.pdcluster.v1.Ack\x12\x35\n\x04Push\x12\x16.pdcluster.v1.PushItem\x1a\x11.pdcluster.v1.Ack(\x01\x30\x01\x12\x30\n\x06\x43\x61ncel\x12\x13.pdcluster.v1.Abort\x1a\x11.pdcluster.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdcluster.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=54
-  _globals['_KVLAYOUT']._serialized_end=175
-  _globals['_COMPATINFO']._serialized_start=178
-  _globals['_COMPATINFO']._serialized_end=344
-  _globals['_DESTINATIONDESCRIPTOR']._serialized_start=347
-  _globals['_DESTINATIONDESCRIPTOR']._serialized_end=547
-  _globals['_NIXLPOOLINFO']._serialized_start=550
-  _globals['_NIXLPOOLINFO']._serialized_end=709
-  _globals['_HANDSHAKEREQUEST']._serialized_start=712
-  _globals['_HANDSHAKEREQUEST']._serialized_end=918
-  _globals['_HANDSHAKEREPLY']._serialized_start=921
-  _globals['_HANDSHAKEREPLY']._serialized_end=1085
-  _globals['_BEGINTRANSFER']._serialized_start=1087
-  _globals['_BEGINTRANSFER']._serialized_end=1205
-  _globals['_ACK']._serialized_start=1207
-  _globals['_ACK']._serialized_end=1255
-  _globals['_PAGECHUNK']._serialized_start=1258
-  _globals['_PAGECHUNK']._serialized_end=1440
-  _globals['_FINALNOTICE']._serialized_start=1442
-  _globals['_FINALNOTICE']._serialized_end=1535
-  _globals['_NIXLNOTICE']._serialized_start=1538
-  _globals['_NIXLNOTICE']._serialized_end=1736
-  _globals['_LAYERREADY']._serialized_start=1738
-  _globals['_LAYERREADY']._serialized_end=1804
-  _globals['_LAYERREAD']._serialized_start=1806
-  _globals['_LAYERREAD']._serialized_end=1852
-  _globals['_ABORT']._serialized_start=1854
-  _globals['_ABORT']._serialized_end=1897
-  _globals['_PUSHITEM']._serialized_start=1899
-  _globals['_PUSHITEM']._serialized_end=2003
-  _globals['_KVTRANSFER']._serialized_start=2006
-  _globals['_KVTRANSFER']._serialized_end=2255
+  _globals['_KVLAYOUT']._serialized_start=55
+  _globals['_KVLAYOUT']._serialized_end=210
+  _globals['_COMPATINFO']._serialized_start=213
+  _globals['_COMPATINFO']._serialized_end=379
+  _globals['_DESTINATIONDESCRIPTOR']._serialized_start=382
+  _globals['_DESTINATIONDESCRIPTOR']._serialized_end=582
+  _globals['_NIXLPOOLINFO']._serialized_start=585
+  _globals['_NIXLPOOLINFO']._serialized_end=744
+  _globals['_HANDSHAKEREQUEST']._serialized_start=747
+  _globals['_HANDSHAKEREQUEST']._serialized_end=953
+  _globals['_HANDSHAKEREPLY']._serialized_start=956
+  _globals['_HANDSHAKEREPLY']._serialized_end=1120
+  _globals['_BEGINTRANSFER']._serialized_start=1122
+  _globals['_BEGINTRANSFER']._serialized_end=1240
+  _globals['_ACK']._serialized_start=1242
+  _globals['_ACK']._serialized_end=1290
+  _globals['_PAGECHUNK']._serialized_start=1293
+  _globals['_PAGECHUNK']._serialized_end=1475
+  _globals['_FINALNOTICE']._serialized_start=1477
+  _globals['_FINALNOTICE']._serialized_end=1570
+  _globals['_NIXLNOTICE']._serialized_start=1573
+  _globals['_NIXLNOTICE']._serialized_end=1771
+  _globals['_LAYERREADY']._serialized_start=1773
+  _globals['_LAYERREADY']._serialized_end=1839
+  _globals['_LAYERREAD']._serialized_start=1841
+  _globals['_LAYERREAD']._serialized_end=1887
+  _globals['_ABORT']._serialized_start=1889
+  _globals['_ABORT']._serialized_end=1932
+  _globals['_PUSHITEM']._serialized_start=1934
+  _globals['_PUSHITEM']._serialized_end=2038
+  _globals['_KVTRANSFER']._serialized_start=2041
+  _globals['_KVTRANSFER']._serialized_end=2290
 # @@protoc_insertion_point(module_scope)

@@ -7,20 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "page_size", "head_start", "num_heads", "head_dim", "dtype")
+    __slots__ = ("num_layers", "page_size", "head_start", "num_heads", "head_dim", "dtype", "tp_size", "tp_rank")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEAD_START_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     page_size: int
     head_start: int
     num_heads: int
     head_dim: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    tp_rank: int
+    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class CompatInfo(_message.Message):
     __slots__ = ("model_id", "num_layers", "num_kv_heads", "head_dim", "dtype", "page_layout", "protocol_version", "hash")
