@@ -1,6 +1,7 @@
-"""Tensor parallelism in the engine: prefill tokens/s and decode step time at TP=N against TP=1,
-in one run on the same cores (a later `pdcluster bench tp` can register this module:
-`add_arguments` and `run`; until then `python -m bench.tp_bench`).
+"""`pdcluster bench tp`: tensor parallelism in the engine: prefill tokens/s and decode step time
+at TP=N against TP=1, in one run on the same cores; then KV bandwidth between TP groups (P:D of
+1:1, 2:1, 1:2 over nixl and grpc, bench/kv_tp_bench.py) against 1:1 in the same run.
+`--quick` runs a short version of both (`--skip-engine`, `--skip-kv`: one part only).
 
 Both engines are built first and stay up; the rounds alternate between them so that the
 machine's drift (other processes on shared cores) falls on both alike. Threads: TP=1 runs
@@ -33,20 +34,44 @@ from pathlib import Path
 from bench._timing import Summary, timed
 
 
+# engine options whose default --quick changes: (default, quick)
+_QUICK = {"prompt": (512, 256), "rounds": (4, 2), "steps": (8, 4), "transports": ("gloo,socket", "socket"),
+          "lm_heads": ("replicated,vocab", "replicated")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench import kv_tp_bench
+
+    parser.add_argument("--quick", action="store_true",
+                        help="short run: prompt 256, 2 rounds of 4 steps, socket transport, replicated LM head; "
+                             "KV 512 tokens, 2 rounds")
+    parser.add_argument("--skip-engine", action="store_true", help="only the KV bandwidth between TP groups")
+    parser.add_argument("--skip-kv", action="store_true", help="only the engine's TP=N vs TP=1")
     parser.add_argument("--model", default="small", help="built-in preset or checkpoint folder (default small)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size compared with 1 (default 2)")
-    parser.add_argument("--prompt", type=int, default=512, help="prefill prompt tokens (default 512)")
+    parser.add_argument("--prompt", type=int, default=None, help="prefill prompt tokens (default 512; --quick 256)")
     parser.add_argument("--streams", type=int, default=8, help="decoding requests (default 8)")
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default 4)")
-    parser.add_argument("--steps", type=int, default=8, help="timed decode steps per round (default 8)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 4; --quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per round (default 8; --quick 4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of TP=1; each TP rank gets threads // tp (default: the CPUs)")
-    parser.add_argument("--transports", default="gloo,socket",
-                        help="CPU all-reduce transports of TP=N to run, comma-separated (default gloo,socket)")
-    parser.add_argument("--lm-heads", default="replicated,vocab",
-                        help="LM heads of TP=N to run: replicated, vocab (default both)")
+    parser.add_argument("--transports", default=None,
+                        help="CPU all-reduce transports of TP=N to run, comma-separated (default gloo,socket; "
+                             "--quick socket)")
+    parser.add_argument("--lm-heads", default=None,
+                        help="LM heads of TP=N to run: replicated, vocab (default both; --quick replicated)")
+    kv_tp_bench.add_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fill the options left unset with their default, or their --quick value."""
+    from bench import kv_tp_bench
+
+    for name, (default, quick) in _QUICK.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, quick if args.quick else default)
+    kv_tp_bench.resolve(args)
 
 
 def _engine(model: str, tp: int, vocab_parallel: bool, transport: str, args):
@@ -101,13 +126,38 @@ def _lm_head(core, streams: int, reps: int = 20) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    if args.skip_engine and args.skip_kv:
+        print("--skip-engine and --skip-kv leave nothing to run", file=sys.stderr)
+        return 2
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    doc: dict = {"benchmark": "tp", "started_at": started}
+    if not args.skip_engine:
+        rc = _run_engine(args, doc)
+        if rc:
+            return rc
+    if not args.skip_kv:
+        from bench import kv_tp_bench
+
+        print(flush=True)
+        doc["kv"] = kv_tp_bench.run_kv(args)
+    doc["settings"] = {**doc.get("settings", {}), "quick": args.quick, "cpus": os.cpu_count(),
+                       "python": platform.python_version(), "machine": platform.machine(),
+                       "processor": platform.processor()}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_engine(args: argparse.Namespace, doc: dict) -> int:
     if min(args.rounds, args.steps, args.threads, args.streams, args.tp - 1) < 1 or args.prompt < 2:
         print("--rounds, --steps, --threads, --streams must be >= 1, --tp >= 2, --prompt >= 2", file=sys.stderr)
         return 2
     import torch
 
     n, per_rank = args.tp, max(1, args.threads // args.tp)
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     print(f"tensor parallel: {args.model} float32, TP={n} ({per_rank} thread(s) per rank) vs TP=1 "
           f"({args.threads} thread(s){f' and {per_rank}' if per_rank != args.threads else ''}), "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.rounds} rounds", flush=True)
@@ -164,19 +214,14 @@ def run(args: argparse.Namespace) -> int:
                 q = rows[label]["decode_step_s"]["median"] / rows[base]["decode_step_s"]["median"]
                 ratios[f"{label}/{base}"] = {"prefill_tokens_per_s": r, "decode_step_s": q}
                 print(f"{label}/{base}: prefill tokens/s x{r:.2f}, decode step time x{q:.2f} ({args.streams} streams)")
-    if args.json is not None:
-        doc = {"benchmark": "tp", "rows": rows, "ratios": ratios, "started_at": started,
-               "settings": {"model": args.model, "tp": n, "prompt": args.prompt, "streams": args.streams,
-                            "rounds": args.rounds, "steps": args.steps, "threads": args.threads,
-                            "cpus": os.cpu_count(), "torch": torch.__version__,
-                            "python": platform.python_version(), "machine": platform.machine()}}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    doc.update(rows=rows, ratios=ratios,
+               settings={"model": args.model, "tp": n, "prompt": args.prompt, "streams": args.streams,
+                         "rounds": args.rounds, "steps": args.steps, "threads": args.threads,
+                         "transports": args.transports, "lm_heads": args.lm_heads, "torch": torch.__version__})
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m bench.tp_bench", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    from cluster.cli import main
+
+    sys.exit(main(["bench", "tp", *sys.argv[1:]]))

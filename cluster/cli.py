@@ -20,6 +20,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "engine"): ("bench.engine_bench", "engine vs transformers: throughput, decode step, prefill"),
     ("bench", "decode-step"): ("bench.decode_step_bench", "decode step: the compiled CPU attention kernel vs the torch backend"),
     ("bench", "kv"): ("bench.kv_bench", "KV transfer bandwidth: nixl, grpc vs memcpy/raw baselines"),
+    ("bench", "tp"): ("bench.tp_bench", "tensor parallelism: engine TP=2 vs TP=1, KV bandwidth between TP groups"),
     ("bench", "workers"): ("bench.workers_bench", "prefill + decode workers vs colocated: second-token latency, ITL"),
     ("bench", "serve"): ("bench.serve_cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),
     ("bench", "disagg-vs-colocated"): ("bench.disagg_vs_colocated", "the experiment: 1P+1D vs 2 colocated on a trace"),

@@ -25,21 +25,31 @@ class TransferConfig:
     grpc_streams: int = 1                   # grpc: parallel Push streams (own TCP connections) per destination
     grpc_tune_malloc: bool = True           # grpc: keep message buffers in the heap (process-wide, heap.py)
     poll_interval_s: float = 0.0005         # progress threads sleep this long when idle
-    poll_backoff_max_s: float = 0.004       # nixl: with requests in flight but nothing happening (their
-                                            # prefill still running), the poll period doubles up to this;
-                                            # an event sets it back (bounds the delay a notice can wait)
+    poll_backoff_max_s: float = 0.001       # nixl: with requests in flight but nothing happening (their
+                                            # prefill still running, or one long READ under way), the poll
+                                            # period doubles up to this; an event sets it back (bounds the
+                                            # delay a notice can wait). Was 4 ms: across hosts UCX's TCP
+                                            # transport moves READ data only when both workers progress, so
+                                            # 4 ms naps held a 512 MiB KV to ~0.5 of raw TCP (issue 35 item 8,
+                                            # docs/benchmarks.md "Across hosts"); 1 ms costs ~1,000 wake-ups a
+                                            # second per busy poller instead of ~250
     staging_bytes: int = 64 << 20           # nixl: bounce buffer for heterogeneous layouts
     nixl_coalesce_reads: bool = True        # nixl: consecutive layers ready together before a request's
                                             # first READ lands go as one READ (off: a READ per layer)
-    nixl_sender_poll_s: float = 0.002       # nixl: sender's poll period while requests are in flight (it
-                                            # only collects read confirmations; the receiver drives bytes)
+    nixl_sender_poll_s: float = 0.0005      # nixl: sender's poll period while requests are in flight. On one
+                                            # host it only collects read confirmations (CMA reads need nothing
+                                            # of it); across hosts over UCX TCP it also serves the receiver's
+                                            # READs (TCP has no RDMA: UCX emulates a READ with messages the
+                                            # sender's worker answers when it progresses), so it was 2 ms
+                                            # until issue 35 and held cross-host READs to ~0.5 of raw TCP
     liveness_interval_s: float = 0.25       # nixl: probe peers of requests in flight this often (0 = off)
     allowed_dtype_conversions: frozenset[tuple[str, str]] = field(
         default_factory=lambda: frozenset({("float32", "bfloat16"), ("float32", "float16")}))
     server_threads: int = 8                 # nixl: threads of its control service (unary calls only); the
                                             # grpc receiver's service is asyncio and holds no thread per call
     # UCX opens its own listeners; "lo" keeps them on loopback (UCX reads only its environment,
-    # so this is applied to UCX_NET_DEVICES before the first agent starts, unless already set).
+    # so this is applied to UCX_NET_DEVICES before the first agent starts, unless already set;
+    # nixl_pool.UCX_ENV_DEFAULTS, e.g. UCX's TCP fragment size, are applied the same way).
     ucx_net_devices: str = "lo"
 
     def __post_init__(self) -> None:

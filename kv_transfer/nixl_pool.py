@@ -22,6 +22,28 @@ log = logging.getLogger(__name__)
 
 _PROBE = pb.NixlNotice()  # no kind set: a liveness probe, dropped by notifications()
 
+# UCX settings applied (unless the environment already sets them) before the first agent starts;
+# UCX reads only its environment. They matter where UCX moves KV over its TCP transport (across
+# hosts without RDMA); on one host UCX picks CMA / shared memory and ignores them. UCX's TCP
+# transport has no RDMA READ: a READ is emulated by active messages, the sender's worker answering
+# with the data in fragments of UCX_TCP_TX_SEG_SIZE (UCX's default 8 KiB: 64k fragments, each a
+# copy, a send() and a receive handler, for a 512 MiB KV). With 512 KiB fragments and the faster
+# polls of TransferConfig (nixl_sender_poll_s, poll_backoff_max_s) a 512 MiB KV crosses two
+# network-namespaced hosts at ~0.9 of a raw TCP socket between them instead of ~0.5 (either change
+# alone: ~0.5-0.7; docs/benchmarks.md, "Across hosts"); RX_SEG_SIZE must hold a whole TX segment.
+UCX_ENV_DEFAULTS: dict[str, str] = {
+    "UCX_TCP_TX_SEG_SIZE": "512k",
+    "UCX_TCP_RX_SEG_SIZE": "512k",
+}
+
+
+def apply_ucx_defaults(net_devices: str = "") -> None:
+    """Set UCX_NET_DEVICES (when given) and UCX_ENV_DEFAULTS where the environment leaves them unset."""
+    if net_devices:
+        os.environ.setdefault("UCX_NET_DEVICES", net_devices)
+    for key, value in UCX_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
 
 def nixl_api():
     """Import NIXL lazily so the package imports without it."""
@@ -51,8 +73,7 @@ class PeerPool:
 
 class NixlPoolAgent:
     def __init__(self, name: str, pool: KVPool, staging_bytes: int = 0, ucx_net_devices: str = "lo") -> None:
-        if ucx_net_devices:
-            os.environ.setdefault("UCX_NET_DEVICES", ucx_net_devices)
+        apply_ucx_defaults(ucx_net_devices)
         api = nixl_api()
         # no NIXL progress thread: our own poll loop drives progress (check_xfer_state /
         # get_new_notifs), which keeps idle agents from spinning a core each

@@ -198,9 +198,30 @@ class PeerProc:
 
 
 # -------------------------------------------------------------------------------------- kv --
+# UCX and poll settings of nixl compared in one run (`--variants`): each variant runs nixl in its own
+# processes (UCX reads its environment once), all variants sampled in the same rounds.
+#   before:    as the cluster ran until issue 35: UCX's own TCP fragments (8 KiB tx, 64 KiB rx), the
+#              sender polled every 2 ms, pollers backing off to 4 ms
+#   now:       the cluster's defaults (kv_transfer/nixl_pool.py UCX_ENV_DEFAULTS: 512 KiB fragments;
+#              TransferConfig: sender poll 0.5 ms, back-off to 1 ms)
+#   seg_only:  `before` with the 512 KiB fragments alone; poll_only: `before` with the polls alone
+_OLD_SEG = {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "64k"}
+_OLD_POLL = {"nixl_sender_poll_s": 0.002, "poll_backoff_max_s": 0.004}
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    "before": (_OLD_SEG, _OLD_POLL),
+    "now": ({}, {}),
+    "seg_only": ({}, _OLD_POLL),
+    "poll_only": (_OLD_SEG, {}),
+}
+
+
 def kv_placement(label, rx_ns, tx_ns, rx_ip, tx_ip, dev, tls, args, spec, layout_kw, num_pages, nbytes, logdir):
-    """Rounds of raw TCP / nixl / grpc between a receiver and a sender process; seconds per sample."""
+    """Rounds of raw TCP / nixl (each UCX variant) / grpc between a receiver and a sender process,
+    and with --tp21 nixl from two sender ranks (heads [0, 4) and [4, 8), both on the sender's
+    host, each its own process and NIXL agent) to one receiver holding all 8 heads (routes from
+    kv_transfer.reshard.plan_transfer); seconds per sample, keyed by figure."""
     from kv_transfer.layout import KVLayout
+    from kv_transfer.reshard import group_layouts, plan_transfer
 
     layout = KVLayout(**layout_kw)
     base = {k: os.environ[k] for k in ("HOME", "LANG", "PDCLUSTER_CACHE", "TMPDIR") if k in os.environ}
@@ -212,60 +233,95 @@ def kv_placement(label, rx_ns, tx_ns, rx_ip, tx_ip, dev, tls, args, spec, layout
         env["UCX_TLS"] = tls
     else:
         env.pop("UCX_TLS", None)  # UCX picks (one host: shared memory / CMA), as `bench kv` runs
-    rx = PeerProc(rx_ns, env, logdir / f"{label}-rx.log")
-    tx = PeerProc(tx_ns, env, logdir / f"{label}-tx.log")
-    samples = {"raw_tcp": [], "nixl": [], "grpc": []}
+    variants = [v for v in args.variants.split(",") if v]
+    lay_kw = {k: layout_kw[k] for k in ("num_layers", "page_size", "head_dim", "dtype")}
+    halves = group_layouts(spec["num_kv_heads"], 2, **lay_kw)
+    plan = plan_transfer(halves, [layout])
+    procs: list[PeerProc] = []
+    peers: dict = {}  # variant -> (rx, tx, [tx rank 0, tx rank 1])
+
+    def peer(ns, venv, log, lay):
+        p = PeerProc(ns, venv, log)
+        procs.append(p)
+        p.call("init", spec=spec, layout=lay, num_pages=num_pages)
+        return p
+
+    samples: dict[str, list[float]] = {}
     try:
-        for p in (rx, tx):
-            p.call("init", spec=spec, layout=layout_kw, num_pages=num_pages)
-        transports = [t for t in ("nixl", "grpc") if t in args.only]
-        for t in transports:
-            rx.call("receiver", name=t, transport=t, cfg=dict(host=rx_ip, ucx_net_devices=dev))
-            tx.call("sender", name=t, transport=t, cfg=dict(host=tx_ip, ucx_net_devices=dev))
-        port = rx.call("tcp_listen", host=rx_ip)["port"]
+        for i, v in enumerate(variants):
+            venv_, cfg = VARIANTS[v]
+            venv = {**env, **venv_}
+            rx = peer(rx_ns, venv, logdir / f"{label}-{v}-rx.log", layout_kw)
+            tx = peer(tx_ns, venv, logdir / f"{label}-{v}-tx.log", layout_kw)
+            tps = []
+            if args.tp21:
+                for r, half in enumerate(halves):
+                    tps.append(peer(tx_ns, venv, logdir / f"{label}-{v}-tx{r}.log",
+                                    {**layout_kw, "head_start": half.head_start, "num_heads": half.num_heads}))
+            transports = ["nixl"] + (["grpc"] if i == 0 and "grpc" in args.only else [])
+            for t in transports:
+                rx.call("receiver", name=t, transport=t, cfg=dict(host=rx_ip, ucx_net_devices=dev, **cfg))
+                for p in [tx] + (tps if t == "nixl" else []):
+                    p.call("sender", name=t, transport=t, cfg=dict(host=tx_ip, ucx_net_devices=dev, **cfg))
+            peers[v] = (rx, tx, tps, transports)
+        rx0, tx0 = peers[variants[0]][:2]
+        port = rx0.call("tcp_listen", host=rx_ip)["port"]
         pages = list(range(layout.pages_for(args.tokens)))
         n = [0]
 
-        def paged(t):
+        def paged(t, rx, senders):
             rid = f"{t}-{n[0]}"
             n[0] += 1
             desc = rx.call("expect", name=t, rid=rid, pages=pages, tokens=args.tokens)["desc"]
-            st = tx.call("start", name=t, rid=rid, desc=desc, pages=pages, tokens=args.tokens)["state"]
-            if st != "WAITING":
-                raise RuntimeError(f"{t} start: {st}")
+            for s in senders:
+                st = s.call("start", name=t, rid=rid, desc=desc, pages=pages, tokens=args.tokens)["state"]
+                if st != "WAITING":
+                    raise RuntimeError(f"{t} start: {st}")
             rx.post("wait", name=t, rid=rid)
             time.sleep(0.05)  # the receiver is in wait() before the first byte is sent
             t0 = time.perf_counter()
-            tx.post("send", name=t, rid=rid)
+            for s in senders:
+                s.post("send", name=t, rid=rid)
             r = rx.read()
             dt = time.perf_counter() - t0
-            s = tx.read()
-            if r["state"] != "DONE" or s["state"] != "DONE":
-                raise RuntimeError(f"{t}: receiver {r}, sender {s}")
+            for s in senders:
+                st = s.read()
+                if st["state"] != "DONE":
+                    raise RuntimeError(f"{t}: sender {st}")
+            if r["state"] != "DONE":
+                raise RuntimeError(f"{t}: receiver {r}")
             return dt
 
         def raw():
-            rx.post("tcp_recv", nbytes=nbytes)
+            rx0.post("tcp_recv", nbytes=nbytes)
             time.sleep(0.05)
             t0 = time.perf_counter()
-            tx.post("tcp_send", host=rx_ip, port=port, nbytes=nbytes)
-            rx.read()
+            tx0.post("tcp_send", host=rx_ip, port=port, nbytes=nbytes)
+            rx0.read()
             dt = time.perf_counter() - t0
-            tx.read()
+            tx0.read()
             return dt
 
-        figs = [("raw_tcp", raw)] + [(t, (lambda t=t: paged(t))) for t in transports]
+        figs = [("raw_tcp", raw)]
+        for v, (rx, tx, tps, transports) in peers.items():
+            tag = "" if len(variants) == 1 else f"[{v}]"
+            figs.append((f"nixl{tag}", lambda rx=rx, tx=tx: paged("nixl", rx, [tx])))
+            if tps:
+                assert len(plan.routes) == 2 and {r.sender for r in plan.routes} == {0, 1}
+                figs.append((f"nixl_tp2to1{tag}", lambda rx=rx, tps=tps: paged("nixl", rx, tps)))
+            if "grpc" in transports:
+                figs.append(("grpc", lambda rx=rx, tx=tx: paged("grpc", rx, [tx])))
         for _, f in figs:  # warm-up round: connections, UCX wire-up, page faults
             f()
         for i in range(args.rounds):
-            for name, f in figs:
-                samples[name].append(f())
+            for name, f in (figs if i % 2 == 0 else figs[::-1]):
+                samples.setdefault(name, []).append(f())
             print(f"  [{label}] round {i + 1}: " + ", ".join(
-                f"{k} {nbytes / samples[k][-1] / 1e9:.2f} GB/s" for k, _ in figs), flush=True)
+                f"{k} {nbytes / samples[k][-1] / 1e9:.2f}" for k, _ in figs) + " GB/s", flush=True)
     finally:
-        for p in (tx, rx):
+        for p in procs[::-1]:
             p.close()
-    return {k: v for k, v in samples.items() if v}
+    return samples
 
 
 def cmd_kv(args) -> int:
@@ -306,8 +362,17 @@ def cmd_kv(args) -> int:
             ratio = statistics.median(b / x for b, x in zip(s["raw_tcp"], xs))
             out.setdefault("table", []).append(dict(placement=label, figure=name, gbps=gbps, vs_raw_tcp=ratio))
             print(f"| {label} | {name} | {gbps:.2f} | {ratio:.2f} |")
+    for label, s in out["placements"].items():
+        for name in s:
+            if name.startswith("nixl_tp2to1"):
+                one = "nixl" + name[len("nixl_tp2to1"):]
+                ratio = statistics.median(b / x for b, x in zip(s[one], s[name]))
+                out.setdefault("tp2to1_vs_1to1", {})[f"{label} {name}"] = ratio
+                print(f"{label} {name} / {one} (same rounds, median of per-round ratios): {ratio:.2f}")
     if "local" in out["placements"]:
         for name in out["placements"]["cross"]:
+            if name not in out["placements"]["local"]:
+                continue
             xs, ys = out["placements"]["cross"][name], out["placements"]["local"][name]
             print(f"cross-host / one-host throughput, {name}: {statistics.median(ys) / statistics.median(xs):.2f}")
     if args.json:
@@ -457,6 +522,11 @@ def main() -> int:
     k.add_argument("--no-local", action="store_true", help="skip the one-namespace (127.0.0.1) placement")
     k.add_argument("--local-default", action="store_true",
                    help="also both processes in one namespace with UCX's own transport choice (no UCX_TLS)")
+    k.add_argument("--variants", default="now",
+                   help=f"UCX settings of nixl compared in the same rounds, comma-separated, of {sorted(VARIANTS)} "
+                        "(default now: the cluster's; e.g. before,now)")
+    k.add_argument("--tp21", action="store_true",
+                   help="also P_TP=2 -> D_TP=1: two sender ranks on the prefill host, one receiver on the decode host")
     k.add_argument("--logdir")
     k.add_argument("--json")
     s = sub.add_parser("serve")

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = REPO / ".venv" / "bin"
+# the repository's venv, or (a worktree without one) the venv of the interpreter running this
+VENV_BIN = REPO / ".venv" / "bin" if (REPO / ".venv").exists() else Path(sys.executable).parent
 GCS_PORT = 6379
 
 
