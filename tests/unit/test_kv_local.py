@@ -280,3 +280,30 @@ def test_wait_returns_a_failure_only_after_its_pages_are_released(side):
     threading.Thread(target=book.fail, args=("r", "peer died"), daemon=True).start()
     assert status.wait(5.0) == TransferState.FAILED
     assert released == ["r"]
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(0, 4), (0, 2), (2, 4), (1, 3)])
+@pytest.mark.parametrize("pages", [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [14, 2, 9, 0, 5, 11, 7, 1, 13, 3, 8, 12]])
+def test_write_token_run_into_a_head_slice_matches_token_by_token(ps, heads, pages):
+    """A sender holding some of the receiver's heads (a TP rank) writes whole pages at once and
+    the tail token by token; every cell equals a per-token reference, other heads untouched."""
+    from kv_transfer.layout import KVLayout
+
+    D, H = 8, 4
+    dst = KVLayout(num_layers=1, page_size=ps, head_start=0, num_heads=H, head_dim=D, dtype="float32")
+    lo, hi = heads
+    src = KVLayout(num_layers=1, page_size=ps, head_start=lo, num_heads=hi - lo, head_dim=D, dtype="float32")
+    page_ids = np.array(pages)
+    g = torch.Generator().manual_seed(ps * 100 + lo * 10 + hi)
+    for start, n in [(0, len(pages) * ps), (0, 3 * ps + 1), (ps, 2 * ps - 1 if ps > 1 else 2), (1, 5)]:
+        if start + n > len(pages) * ps:
+            continue
+        layer = torch.randn(16, 2, ps, H, D, generator=g)
+        want = layer.clone()
+        data = torch.randn(2, n, hi - lo, D, generator=g)
+        for t in range(n):
+            p = start + t
+            want[page_ids[p // ps], :, p % ps, lo:hi] = data[:, t]
+        write_token_run(layer, page_ids, dst, start, data, src)
+        assert torch.equal(layer, want), (start, n)
