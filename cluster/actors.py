@@ -94,11 +94,11 @@ class WorkerSpec:
 class HostedWorker:
     """A worker as its actor hosts it: every attribute is the worker's own, except that
     - its load report is a ClusterWorkerLoad (TP size, each rank's pid and node, threads), and
-    - a tensor-parallel group that lost a rank ends the engine loop: `step` raises TPGroupError
-      (the step's outputs are dropped: its requests are the router's to move), the remaining
-      followers are killed, and the actor's process exits (AsyncWorker exit_on_death) so that
-      Ray restarts the worker as a whole, new followers and all. A watcher thread notices a
-      rank lost while the worker is idle (every `WATCH_S`) and wakes the engine loop."""
+    - a tensor-parallel group that lost a rank ends the worker's process at once, from the
+      step that found it (its outputs are dropped: its requests are the router's to move) or
+      from a watcher thread that checks the followers every `WATCH_S` (a rank lost while the
+      worker is idle); the remaining followers are killed first. Ray restarts the worker as a
+      whole, new followers and all, as it restarts a killed worker process."""
 
     WATCH_S = 0.5
 
@@ -110,10 +110,8 @@ class HostedWorker:
         self._worker = worker
         self._threads = torch.get_num_threads()
         self._node = _node_address()
-        self._wake = None
         self._lost: str | None = None
         self.CALLS = worker.CALLS
-        self.core = _WakeTap(worker.core, self)
         self._followers = getattr(worker.core, "_tp_followers", None)
         self._stopped = threading.Event()
         if self._followers is not None:
@@ -122,13 +120,7 @@ class HostedWorker:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
 
-    @property
-    def has_work(self) -> bool:
-        return self._lost is not None or self._worker.has_work
-
     def step(self):
-        if self._lost is not None:
-            self._give_up()
         outputs = self._worker.step()
         if self._followers is not None:
             error = self._worker.core.tensor_parallel_error
@@ -155,15 +147,20 @@ class HostedWorker:
         self._worker.close()
 
     def _give_up(self):
-        from engine.parallel import TPGroupError
-
+        """The group lost a rank: kill the remaining followers and end this process at once, as
+        a killed worker process ends. The router then sees what any lost worker looks like (its
+        streams migrate, the worker is "replacing" while Ray restarts it with a new group): an
+        engine loop that died in a live process would read as a dead worker instead."""
         import logging
+        import sys
 
-        logging.getLogger(__name__).error("the worker's tensor-parallel group lost a rank: %s; the worker goes "
-                                          "(Ray restarts it with a new group)", self._lost)
+        logging.getLogger(__name__).error("the worker's tensor-parallel group lost a rank: %s; the worker's process "
+                                          "exits (Ray restarts it with a new group)", self._lost)
         with contextlib.suppress(Exception):
             self._followers.stop(0)
-        raise TPGroupError(self._lost)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(70)
 
     def _watch(self) -> None:
         from engine.parallel import TPGroupError
@@ -172,26 +169,10 @@ class HostedWorker:
             try:
                 self._followers.check()
             except TPGroupError as exc:
-                if self._lost is None:
-                    self._lost = str(exc)
-                if self._wake is not None:
-                    self._wake()
-                return
-
-
-class _WakeTap:
-    """The worker's engine core as the engine loop sees it: `set_wakeup` is also kept by the
-    HostedWorker (its watcher wakes the loop when a rank is lost)."""
-
-    def __init__(self, core: Any, host: HostedWorker) -> None:
-        self._core, self._host = core, host
-
-    def set_wakeup(self, fn) -> None:
-        self._host._wake = fn
-        self._core.set_wakeup(fn)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._core, name)
+                if self._stopped.is_set():
+                    return
+                self._lost = self._lost or str(exc)
+                self._give_up()
 
 
 _PRIORITY_SAID = False
