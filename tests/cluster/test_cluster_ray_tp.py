@@ -6,6 +6,7 @@ finish with the same tokens), Ray restarts the worker with a new group (new pids
 and no follower process is left over; the leader killed the same way takes its follower with it."""
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster import status
 from cluster.config import ClusterConfig
 from engine.sampling_params import SamplingParams
 from proto.pdcluster.v1 import inference_pb2 as pb
@@ -71,7 +73,7 @@ def replaced(s, old: set[int], restarts: int):
     return check
 
 
-def test_a_tp2_worker_serves_and_a_killed_follower_replaces_the_whole_group(tiny_model, make_llm):
+def test_a_tp2_worker_serves_and_a_killed_follower_replaces_the_whole_group(tiny_model, make_llm, capsys):
     """The default run's test of TP workers on Ray (about a minute on 2 cores)."""
     prompt = list(range(1, 40))
     want = tp1_greedy(tiny_model("llama"), make_llm, prompt, 300)
@@ -81,6 +83,11 @@ def test_a_tp2_worker_serves_and_a_killed_follower_replaces_the_whole_group(tiny
         assert (w.tp_size, w.num_threads, len(w.rank_pids), list(w.rank_nodes)) == (2, 1, 2, ["127.0.0.1"] * 2), w
         leader, follower = w.rank_pids
         assert leader == w.pid and follower != leader and follower_processes() == [follower]
+        status_cli = argparse.ArgumentParser()
+        status.add_arguments(status_cli)
+        assert status.run(status_cli.parse_args(["--address", cluster.router_address])) == 0
+        out = capsys.readouterr().out
+        assert f"tp-0: rank 0 pid {leader} on 127.0.0.1, rank 1 pid {follower} on 127.0.0.1" in out, out
 
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=S(max_tokens=300, temperature=0, ignore_eos=True))
         calls = [s.Generate(req, timeout=180) for _ in range(2)]
