@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -38,6 +39,12 @@ def follower_processes() -> list[int]:
         if "FollowerActor" in cmd:
             out.append(p)
     return sorted(out)
+
+
+def listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on (ss -ltnp)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
 
 
 def alive(pid: int) -> bool:
@@ -83,6 +90,14 @@ def test_a_tp2_worker_serves_and_a_killed_follower_replaces_the_whole_group(tiny
         assert (w.tp_size, w.num_threads, len(w.rank_pids), list(w.rank_nodes)) == (2, 1, 2, ["127.0.0.1"] * 2), w
         leader, follower = w.rank_pids
         assert leader == w.pid and follower != leader and follower_processes() == [follower]
+        # the group's gloo and Ray's own sockets: loopback only. KNOWN GAP (engine/tp_worker.connect_store):
+        # torch's TCPStore server listens on every interface whatever host it is given; the
+        # leader's group store is that one wildcard listener until the engine pre-binds it
+        # (master_listen_fd): tighten this to `wild(leader) == []` then.
+        def wild(pid):
+            return [a for a in listening({pid}) if not a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:"))]
+        assert listening({follower}) and wild(follower) == [], listening({follower})
+        assert len(wild(leader)) <= 1, listening({leader})
         status_cli = argparse.ArgumentParser()
         status.add_arguments(status_cli)
         assert status.run(status_cli.parse_args(["--address", cluster.router_address])) == 0
@@ -131,4 +146,20 @@ def test_a_killed_leader_takes_its_followers_with_it_and_comes_back_with_new_one
         assert got == want
     finally:
         cluster.stop()
+    assert not our_ray_processes() and not follower_processes()
+
+
+@pytest.mark.slow
+def test_a_worker_the_engine_refuses_fails_the_start_naming_it(tiny_model):
+    """Until the KV connectors carry TP, a prefill/decode worker of TP 2 cannot start: the start
+    fails naming the worker and the engine's reason, and leaves nothing running."""
+    from cluster.runtime import Cluster
+
+    tiny_model("llama")
+    engine = dict(ENGINE)
+    cfg = ClusterConfig.embedded(model="tiny", port=0, engine=engine)  # prefill + decode, both TP 2
+    cluster = Cluster(cfg)
+    with pytest.raises(RuntimeError, match=r"worker (prefill|decode)-0 \(pool \w+, role \w+\) could not start: "
+                                           r"ValueError: tensor_parallel_size > 1 with a KV connector"):
+        cluster.start(timeout_s=240)
     assert not our_ray_processes() and not follower_processes()
