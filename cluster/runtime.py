@@ -12,6 +12,10 @@ alive to Ray) is killed so that Ray restarts it. A router that cannot come back 
 spent, or not serving within `router_return_timeout_s`) is recorded in `failure`, which
 `pdcluster serve` exits on.
 
+A worker of `engine.tensor_parallel_size` N > 1 gets a placement group of its own, one bundle
+of the pool's resources per rank (strategy `resources.tp_placement`): its actor (rank 0) runs in
+bundle 0 and starts its follower ranks in the others (cluster/tp_group.py).
+
 A local cluster stays on loopback: Ray on 127.0.0.1 and every worker's KV endpoint and the
 router on 127.0.0.1. Joining an existing cluster (`address`), workers bind their node's IP.
 """
