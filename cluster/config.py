@@ -99,7 +99,8 @@ class EngineSettings(_Strict):
                             "prefills it itself")
 
     def engine_kwargs(self) -> dict:
-        kw = dict(tensor_parallel_size=self.tensor_parallel_size, page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
+        kw = dict(tensor_parallel_size=self.tensor_parallel_size, page_size=self.page_size,
+                  max_num_batched_tokens=self.max_num_batched_tokens,
                   max_num_seqs=self.max_num_seqs, attention_backend=self.attention_backend)
         for name in ("num_pages", "max_model_len", "dtype"):
             if getattr(self, name) is not None:
