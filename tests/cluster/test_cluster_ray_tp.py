@@ -126,7 +126,7 @@ def test_a_tp2_worker_serves_and_a_killed_follower_replaces_the_whole_group(tiny
 
 
 @pytest.mark.slow
-def test_a_killed_leader_takes_its_followers_with_it_and_comes_back_with_new_ones(tiny_model, make_llm):
+def test_a_killed_leader_takes_its_followers_with_it_and_an_idle_loss_is_found_too(tiny_model, make_llm):
     prompt = list(range(3, 30))
     want = tp1_greedy(tiny_model("llama"), make_llm, prompt, 200)
     cluster, s = start_tp_cluster()
@@ -142,6 +142,15 @@ def test_a_killed_leader_takes_its_followers_with_it_and_comes_back_with_new_one
         w = wait_until(replaced(s, {leader, follower}, 1), 120, 0.2, "the TP worker replaced after its leader's loss")
         wait_until(lambda: not alive(follower), 30, 0.1, "the lost leader's follower gone")
         assert follower_processes() == [w.rank_pids[1]], "a follower process of the old group is left over"
+        got, _, _ = collect(s, req)
+        assert got == want
+
+        # a follower lost while the worker is idle: its watcher ends the group, no request needed
+        leader, follower = w.rank_pids
+        os.kill(follower, signal.SIGKILL)
+        wait_until(lambda: not alive(leader), 30, 0.1, "the idle leader ending itself after its follower's loss")
+        w = wait_until(replaced(s, {leader, follower}, 2), 120, 0.2, "the TP worker replaced after an idle loss")
+        assert follower_processes() == [w.rank_pids[1]]
         got, _, _ = collect(s, req)
         assert got == want
     finally:
