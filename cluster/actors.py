@@ -16,11 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.heap import freeze_startup_heap, gc_pauses
+from engine.load import WorkerLoad
+
+
+@dataclass(slots=True)
+class ClusterWorkerLoad(WorkerLoad):
+    """A worker's load report as its actor sends it: the engine's WorkerLoad plus where its
+    tensor-parallel ranks run and the torch threads of each (ClusterStatus shows them)."""
+
+    tp_size: int = 1
+    rank_pids: tuple = ()          # every rank's process, rank 0 (the worker's own) first
+    rank_nodes: tuple = ()         # the node address of each rank
+    num_threads: int = 0           # torch intra-op threads of each rank
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """A worker to build in an actor's process: `spec()` returns it (the AsyncWorker's factory)."""
+    """A worker to build in an actor's process: `spec()` returns it (the AsyncWorker's factory).
+
+    The process runs at normal priority (nice 0) from here on and uses `threads` torch intra-op
+    threads (its reserved whole CPUs). With `engine.tensor_parallel_size` N > 1 this actor is
+    rank 0 of its group; ranks 1..N-1 are follower actors in the other bundles of its placement
+    group (cluster.tp_group), each with `resources` and `threads` of its own."""
 
     role: str                 # "prefill", "decode" or "colocated"
     model: str
@@ -30,6 +47,9 @@ class WorkerSpec:
     local: bool = True        # bind loopback (a local cluster) or the node's address
     begin_timeout_s: float = 300.0
     kv_secret: str = field(default="", repr=False)  # the cluster's KV-plane credential (TransferConfig.secret)
+    threads: int = 1          # torch intra-op threads of each rank
+    resources: dict = field(default_factory=dict)  # each follower rank's actor resources (cluster.tp_group)
+    name: str = "worker"
 
     @property
     def node(self) -> str:
@@ -37,19 +57,25 @@ class WorkerSpec:
         return _node_address()
 
     def __call__(self):
-        with _start_up_priority():
-            return self._build()
+        normal_priority()
+        return HostedWorker(self._build(), self)
 
     def _build(self):
         import torch
 
         from kv_transfer.config import TransferConfig
 
-        torch.set_num_threads(1)  # one intra-op thread per worker process (engine/loop.py)
+        torch.set_num_threads(self.threads)  # the reserved whole CPUs (engine/loop.py applies it to its thread)
         cfg = TransferConfig(host=_bind_host(self.local), deadline_s=self.deadline_s,
                              begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret,
                              ucx_net_devices=_ucx_net_devices(self.local))
         engine = self.engine.engine_kwargs()
+        if engine.get("tensor_parallel_size", 1) > 1:
+            from cluster.tp_group import RayFollowers
+
+            engine["tp_host"] = _bind_host(self.local)
+            engine["tp_launcher"] = RayFollowers.launcher(resources=self.resources, local=self.local,
+                                                          num_threads=self.threads, name=self.name)
         if self.role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
@@ -65,29 +91,120 @@ class WorkerSpec:
                             config=dcfg, **engine)
 
 
-@contextlib.contextmanager
-def _start_up_priority():
-    """Build the worker at normal priority, then go back to Ray's worker niceness (15). A worker
-    restarted after a loss otherwise starts (imports, model load, KV pool, NIXL agent: seconds of
-    CPU) at the same low priority as the serving workers that took over its streams, and on a
-    busy node its start-up stretches several-fold. Raising priority needs CAP_SYS_NICE: without
-    it (a non-root pod) the worker simply starts at the niceness it has."""
+class HostedWorker:
+    """A worker as its actor hosts it: every attribute is the worker's own, except that
+    - its load report is a ClusterWorkerLoad (TP size, each rank's pid and node, threads), and
+    - a tensor-parallel group that lost a rank ends the worker's process at once, from the
+      step that found it (its outputs are dropped: its requests are the router's to move) or
+      from a watcher thread that checks the followers every `WATCH_S` (a rank lost while the
+      worker is idle); the remaining followers are killed first. Ray restarts the worker as a
+      whole, new followers and all, as it restarts a killed worker process."""
+
+    WATCH_S = 0.5
+
+    def __init__(self, worker: Any, spec: WorkerSpec) -> None:
+        import threading
+
+        import torch
+
+        self._worker = worker
+        self._threads = torch.get_num_threads()
+        self._node = _node_address()
+        self._lost: str | None = None
+        self.CALLS = worker.CALLS
+        self._followers = getattr(worker.core, "_tp_followers", None)
+        self._stopped = threading.Event()
+        if self._followers is not None:
+            threading.Thread(target=self._watch, name=f"{spec.name}-tp-watch", daemon=True).start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+    def step(self):
+        outputs = self._worker.step()
+        if self._followers is not None:
+            error = self._worker.core.tensor_parallel_error
+            if error is not None:
+                self._lost = error
+                self._give_up()
+        return outputs
+
+    def load(self):
+        from dataclasses import fields
+
+        ld = self._worker.load()
+        pids, nodes = [os.getpid()], [self._node]
+        if self._followers is not None:
+            with contextlib.suppress(Exception):  # a lost rank: its last known place, or none
+                pids += self._followers.pids
+                nodes += self._followers.nodes
+        return ClusterWorkerLoad(**{f.name: getattr(ld, f.name) for f in fields(WorkerLoad)},
+                                 tp_size=self._worker.core.tensor_parallel_size, rank_pids=tuple(pids),
+                                 rank_nodes=tuple(nodes), num_threads=self._threads)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._worker.close()
+
+    def _give_up(self):
+        """The group lost a rank: kill the remaining followers and end this process at once, as
+        a killed worker process ends. The router then sees what any lost worker looks like (its
+        streams migrate, the worker is "replacing" while Ray restarts it with a new group): an
+        engine loop that died in a live process would read as a dead worker instead."""
+        import logging
+        import sys
+
+        logging.getLogger(__name__).error("the worker's tensor-parallel group lost a rank: %s; the worker's process "
+                                          "exits (Ray restarts it with a new group)", self._lost)
+        with contextlib.suppress(Exception):
+            self._followers.stop(0)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(70)
+
+    def _watch(self) -> None:
+        from engine.parallel import TPGroupError
+
+        while not self._stopped.wait(self.WATCH_S):
+            try:
+                self._followers.check()
+            except TPGroupError as exc:
+                if self._stopped.is_set():
+                    return
+                self._lost = self._lost or str(exc)
+                self._give_up()
+
+
+_PRIORITY_SAID = False
+
+
+def normal_priority() -> None:
+    """Run this process at normal priority (nice 0) for its whole life: every thread it has now
+    (Linux niceness is per thread; threads made later inherit their maker's). Ray starts its
+    workers at nice 15, where an engine step yields to any other process on the node. Raising
+    priority needs CAP_SYS_NICE: without it (a non-root pod) the process keeps the niceness it
+    has, and the log says so once."""
+    import logging
+
+    global _PRIORITY_SAID
     try:
-        before = os.getpriority(os.PRIO_PROCESS, 0)
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        yield
-        return
-    try:
-        raised = before > 0 and not os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError:
-        raised = False
-    try:
-        yield
-    finally:
-        if raised:  # Linux niceness is per thread: every thread made during the build goes back too
-            for tid in [0, *(int(t) for t in os.listdir("/proc/self/task"))]:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, tid, before)
+        tids = [0]
+    refused = None
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except PermissionError as exc:
+            refused = exc
+        except OSError:  # a thread that has just ended
+            continue
+    if refused is not None and not _PRIORITY_SAID:
+        _PRIORITY_SAID = True
+        logging.getLogger(__name__).warning(
+            "cannot raise this worker's priority to nice 0 (%s; needs CAP_SYS_NICE): it keeps nice %d",
+            refused.strerror, os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def _bind_host(local: bool) -> str:

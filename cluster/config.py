@@ -26,13 +26,21 @@ class _Strict(BaseModel):
 
 
 class ResourceShape(_Strict):
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for each replica; fractions allowed")
-    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved for each replica; 0 asks for none")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved for each replica (each rank of a "
+                                                   "tensor-parallel replica); fractions allowed; its whole CPUs, at "
+                                                   "least 1, are the torch threads of the replica (of each rank)")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved for each replica (each rank of a "
+                                                   "tensor-parallel replica); 0 asks for none")
     accelerator_type: str | None = Field(None, description="Ray accelerator type each replica must run on, e.g. "
                                                            "H100 or A10G; null: any node")
     custom: dict[str, float] = Field(default_factory=dict,
                                      description="extra custom Ray resources per replica, name to amount (e.g. "
                                                  "{prefill_node: 1}), to pin a pool to nodes that offer them")
+    tp_placement: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="placement strategy of a tensor-parallel replica's own placement group (one "
+                                   "bundle of these resources per rank, rank 0 in bundle 0): STRICT_PACK keeps its "
+                                   "ranks on one node, PACK prefers that, SPREAD prefers distinct nodes, "
+                                   "STRICT_SPREAD requires them; ignored at tensor_parallel_size 1")
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.num_cpus, **self.custom}
@@ -42,10 +50,25 @@ class ResourceShape(_Strict):
             b[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return {k: v for k, v in b.items() if v}
 
+    @property
+    def threads(self) -> int:
+        """torch intra-op threads of one rank: its reserved whole CPUs, at least 1."""
+        return max(1, int(self.num_cpus))
+
+    def follower_options(self) -> dict:
+        """Ray resources of a tensor-parallel follower rank's actor (the rest of its bundle)."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                "custom": {k: v for k, v in self.bundle().items() if k not in ("CPU", "GPU")}}
+
 
 class EngineSettings(_Strict):
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="tensor-parallel degree of one replica; only 1 "
-                                                                 "is supported so far")
+    tensor_parallel_size: int = Field(1, ge=1, le=64,
+                                      description="tensor-parallel degree of one replica: its ranks split the model's "
+                                                  "attention heads (it must divide them) and MLP, each rank in its "
+                                                  "own bundle of the replica's placement group with the pool's "
+                                                  "resources; the router sees one worker, and losing any rank loses "
+                                                  "the worker; > 1 needs role colocated until the KV connectors "
+                                                  "support it")
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache page; prefix-aware routing hashes "
                                                           "prompt blocks at the prefill pool's page size")
     num_pages: int | None = Field(None, ge=1, description="KV cache size of one replica, in pages; null: derived "
@@ -76,7 +99,8 @@ class EngineSettings(_Strict):
                             "prefills it itself")
 
     def engine_kwargs(self) -> dict:
-        kw = dict(page_size=self.page_size, max_num_batched_tokens=self.max_num_batched_tokens,
+        kw = dict(tensor_parallel_size=self.tensor_parallel_size, page_size=self.page_size,
+                  max_num_batched_tokens=self.max_num_batched_tokens,
                   max_num_seqs=self.max_num_seqs, attention_backend=self.attention_backend)
         for name in ("num_pages", "max_model_len", "dtype"):
             if getattr(self, name) is not None:
@@ -269,8 +293,11 @@ class ClusterConfig(_Strict):
     @classmethod
     def embedded(cls, *, model: str = "small", prefill: int = 1, decode: int = 1, transport: str = "nixl",
                  mode: str = "disaggregated", host: str = "127.0.0.1", port: int = 50051,
-                 policy: str = "prefix-aware", engine: dict | None = None) -> ClusterConfig:
-        """The default: one prefill and one decode worker on CPU (or one colocated pool)."""
+                 policy: str = "prefix-aware", engine: dict | None = None,
+                 num_cpus: float | str | None = None) -> ClusterConfig:
+        """The default: one prefill and one decode worker on CPU (or one colocated pool).
+        `num_cpus` per rank: a number, "machine" (this machine's CPUs split over the ranks it
+        starts, at least 1 each: what `pdcluster serve` and the demo start), or None (1)."""
         eng = engine or {}
         if mode == "colocated":
             pools = [dict(name="colocated", role="colocated", replicas=max(decode, 1), engine=eng)]
@@ -279,5 +306,37 @@ class ClusterConfig(_Strict):
                      dict(name="decode", role="decode", replicas=decode, engine=eng)]
         else:
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
+        if num_cpus == "machine":
+            ranks = sum(p["replicas"] * eng.get("tensor_parallel_size", 1) for p in pools)
+            num_cpus = machine_share(ranks)
+        if num_cpus is not None:
+            for p in pools:
+                p["resources"] = dict(num_cpus=num_cpus)
         return cls.model_validate(dict(model=model, transport=dict(kind=transport),
                                        router=dict(host=host, port=port, policy=policy), pools=pools))
+
+
+def machine_share(ranks: int) -> int:
+    """This machine's CPUs split over `ranks` engine processes: whole CPUs, at least 1 each."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // max(ranks, 1))
+
+
+def check_model_fit(cfg: ClusterConfig) -> None:
+    """What needs the model's own config: each pool's tensor_parallel_size must divide its
+    attention heads. Raises ValueError naming `pools[i].engine.tensor_parallel_size`. Resolves
+    the model (a built-in one is written to the cache, as Cluster.start does anyway)."""
+    if all(p.engine.tensor_parallel_size == 1 for p in cfg.pools):
+        return
+    from engine.config import ModelConfig
+    from engine.core import resolve_model
+    from engine.parallel import check_tensor_parallel
+
+    model = ModelConfig.from_pretrained(resolve_model(cfg.model))
+    for i, p in enumerate(cfg.pools):
+        try:
+            check_tensor_parallel(model, p.engine.tensor_parallel_size)
+        except ValueError as exc:
+            raise ValueError(f"pools[{i}].engine.tensor_parallel_size (pool {p.name!r}, model {cfg.model!r}): "
+                             f"{exc}") from None

@@ -39,8 +39,10 @@ SECTION_NOTES: dict[str, str] = {
                       "admits.",
     "PoolConfig": "One pool: a role, a number of replicas, the Ray resources of each replica and its engine "
                   "settings. Pools with different resources make a heterogeneous cluster; each pool gets one "
-                  "Ray placement group.",
-    "ResourceShape": "What Ray reserves for each replica of a pool.",
+                  "Ray placement group, and each tensor-parallel replica (engine.tensor_parallel_size > 1) one "
+                  "of its own, one bundle per rank.",
+    "ResourceShape": "What Ray reserves for each replica of a pool (for each rank of a tensor-parallel replica). "
+                     "A rank's torch intra-op threads are its whole reserved CPUs (at least 1).",
     "EngineSettings": "The inference engine of each replica of a pool. Settings whose description starts "
                       "with \"Decode pools\" act on decode workers only.",
 }
@@ -59,8 +61,11 @@ pdcluster serve --config deploy/cluster.yaml
 ```
 
 The flags `--model`, `--host`, `--port`, `--policy`, `--kv-transport` and `--metrics-port`
-override the file's values. Without `--config`, `serve` builds a small embedded config (one
-prefill and one decode pool on CPU, or one colocated pool with `--mode colocated`).
+override the file's values, and `--tp`, `--prefill-tp`, `--decode-tp` the pools'
+`engine.tensor_parallel_size` (`--tp` every pool's, `--prefill-tp` the prefill pools', `--decode-tp`
+the decode and colocated pools'). Without `--config`, `serve` builds a small embedded config (one
+prefill and one decode pool on CPU, or one colocated pool with `--mode colocated`) whose ranks
+share this machine's CPUs (`os.cpu_count()` split over them, at least 1 each).
 `pdcluster plan simulate --config` reads the same format.
 
 The tables below are generated from the pydantic models in `cluster/config.py`; a key that is

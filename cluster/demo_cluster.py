@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
             model = FALLBACK
     chat = model in CATALOG  # a real instruct model: chat questions, answers end at its EOS
     engine = dict(max_model_len=2048, max_num_seqs=16) if chat else None
-    cfg = ClusterConfig.embedded(model=model, transport=args.kv_transport, port=0, engine=engine)
+    cfg = ClusterConfig.embedded(model=model, transport=args.kv_transport, port=0, engine=engine,
+                                 num_cpus="machine")  # the workers use the machine they run on
     t0 = time.perf_counter()
     cluster = Cluster(cfg)
     channel = None

@@ -12,6 +12,10 @@ alive to Ray) is killed so that Ray restarts it. A router that cannot come back 
 spent, or not serving within `router_return_timeout_s`) is recorded in `failure`, which
 `pdcluster serve` exits on.
 
+A worker of `engine.tensor_parallel_size` N > 1 gets a placement group of its own, one bundle
+of the pool's resources per rank (strategy `resources.tp_placement`): its actor (rank 0) runs in
+bundle 0 and starts its follower ranks in the others (cluster/tp_group.py).
+
 A local cluster stays on loopback: Ray on 127.0.0.1 and every worker's KV endpoint and the
 router on 127.0.0.1. Joining an existing cluster (`address`), workers bind their node's IP.
 """
@@ -84,18 +88,22 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from cluster.actors import RouterActor
+        from cluster.config import check_model_fit
         from cluster.ray_start import init_local
         from engine.core import resolve_model
 
         cfg = self.config
         resolve_model(cfg.model)  # a built-in model is written here once, before any actor reads it
+        check_model_fit(cfg)  # a tensor_parallel_size that does not divide the heads: before anything starts
         if self.address is None:
-            need_cpus = (sum(p.resources.num_cpus * (p.replicas + p.spare_replicas) for p in cfg.pools)
+            def ranks(p: PoolConfig) -> int:
+                return (p.replicas + p.spare_replicas) * p.engine.tensor_parallel_size
+            need_cpus = (sum(p.resources.num_cpus * ranks(p) for p in cfg.pools)
                          + cfg.router.num_cpus * cfg.router.replicas)
             custom: dict[str, float] = {}
             for p in cfg.pools:
                 for k, v in p.resources.custom.items():
-                    custom[k] = custom.get(k, 0.0) + v * (p.replicas + p.spare_replicas)
+                    custom[k] = custom.get(k, 0.0) + v * ranks(p)
             init_local(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=int(need_cpus + 0.999),
                        resources=custom or None, log_to_driver=False,
                        runtime_env={"env_vars": {"UCX_NET_DEVICES": "lo", "OMP_NUM_THREADS": "1"}})
@@ -112,13 +120,23 @@ class Cluster:
             for pool in cfg.pools:
                 bundle = pool.resources.bundle() or {"CPU": 0.001}
                 n = pool.replicas + pool.spare_replicas  # hot spares: workers pool-<replicas>, ... (cluster.actors)
-                pg = placement_group([dict(bundle) for _ in range(n)], strategy=pool.placement_strategy,
-                                     name=f"pdcluster-{pool.name}")
-                self._pgs.append(pg)
-                ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
-                for i in range(n):
-                    self.workers.append(self._start_worker(pool, i, pg, local, PlacementGroupSchedulingStrategy))
-            ray.get([w.actor.ready.remote() for w in self.workers], timeout=max(deadline - time.monotonic(), 1))
+                tp = pool.engine.tensor_parallel_size
+                if tp == 1:  # one placement group for the pool, one bundle per worker
+                    pg = placement_group([dict(bundle) for _ in range(n)], strategy=pool.placement_strategy,
+                                         name=f"pdcluster-{pool.name}")
+                    self._pgs.append(pg)
+                    ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
+                    for i in range(n):
+                        self.workers.append(self._start_worker(pool, i, pg, i, local,
+                                                               PlacementGroupSchedulingStrategy))
+                    continue
+                for i in range(n):  # a tensor-parallel worker: its own group, one bundle per rank, rank 0 in bundle 0
+                    pg = placement_group([dict(bundle) for _ in range(tp)], strategy=pool.resources.tp_placement,
+                                         name=f"pdcluster-{pool.name}-{i}")
+                    self._pgs.append(pg)
+                    ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
+                    self.workers.append(self._start_worker(pool, i, pg, 0, local, PlacementGroupSchedulingStrategy))
+            self._await_ready(deadline)
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
             # the routers run on this node (where `pdcluster serve` runs: the head of a KubeRay
@@ -256,7 +274,27 @@ class Cluster:
         self.failure = f"{r.name} (last on {r.address}) cannot come back: {why}"
         self._say(self.failure, logging.ERROR)
 
-    def _start_worker(self, pool: PoolConfig, index: int, pg, local: bool, strategy_cls) -> WorkerRecord:
+    def _await_ready(self, deadline: float) -> None:
+        """Every worker built and its engine thread running; a worker that could not start (an
+        engine setting its model or hardware refuses) raises, naming the worker and the reason."""
+        import ray
+
+        refs = [w.actor.ready.remote() for w in self.workers]
+        try:
+            ray.get(refs, timeout=max(deadline - time.monotonic(), 1))
+        except ray.exceptions.GetTimeoutError:
+            raise
+        except Exception:
+            for w, ref in zip(self.workers, refs):
+                try:
+                    ray.get(ref, timeout=max(deadline - time.monotonic(), 1))
+                except Exception as exc:
+                    raise RuntimeError(f"worker {w.worker_id} (pool {w.pool}, role {w.role}) could not start: "
+                                       f"{_cause(exc)}") from exc
+            raise
+
+    def _start_worker(self, pool: PoolConfig, index: int, pg, bundle: int, local: bool,
+                      strategy_cls) -> WorkerRecord:
         import ray
 
         from cluster.actors import WorkerSpec
@@ -265,12 +303,12 @@ class Cluster:
         shape = pool.resources
         extra = {k: v for k, v in shape.bundle().items() if k not in ("CPU", "GPU")}
         opts = dict(num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, resources=extra or None,
-                    scheduling_strategy=strategy_cls(placement_group=pg, placement_group_bundle_index=index),
+                    scheduling_strategy=strategy_cls(placement_group=pg, placement_group_bundle_index=bundle),
                     max_concurrency=10000, name=f"pdcluster-{pool.name}-{index}", max_restarts=pool.max_restarts)
         wid = f"{pool.name}-{index}"
         t = self.config.transport
         spec = WorkerSpec(pool.role, self.config.model, pool.engine, t.kind, t.deadline_s, local, t.begin_timeout_s,
-                          self._kv_secret)
+                          self._kv_secret, threads=shape.threads, resources=shape.follower_options(), name=wid)
         actor = ray.remote(AsyncWorker).options(**opts).remote(spec, wid, True)  # exit on a dead loop: Ray restarts
         return WorkerRecord(wid, pool.name, pool.role, actor)
 
@@ -315,6 +353,13 @@ class Cluster:
                 pass
         self._pgs.clear()
         ray.shutdown()
+
+
+def _cause(exc: BaseException) -> str:
+    """The last line of a remote traceback that says what was raised (e.g. the engine's ValueError)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+    return (said[-1] if said else (lines[-1] if lines else type(exc).__name__))[:500]
 
 
 def _first_line(exc: BaseException) -> str:

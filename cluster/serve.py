@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-pages", type=int, help="KV cache size of each worker, in pages (default: from the KV "
                                                    "memory budget)")
     eng.add_argument("--max-num-seqs", type=int, help="most sequences one worker batches (default 64)")
+    eng.add_argument("--tp", type=int, help="tensor-parallel size of every pool's workers (default: the config's, "
+                                            "else 1); --prefill-tp and --decode-tp override it per role")
+    eng.add_argument("--prefill-tp", type=int, help="tensor-parallel size of the prefill pools' workers")
+    eng.add_argument("--decode-tp", type=int, help="tensor-parallel size of the decode pools' workers, and of the "
+                                                   "colocated pools' (they decode too)")
     parser.add_argument("--migration-limit", type=int,
                         help="decode workers a request may lose and still continue on another (default 2; 0: off)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -74,7 +79,7 @@ def load_config(args: argparse.Namespace):
 
     if args.config:
         cfg = ClusterConfig.from_yaml(args.config)
-    else:
+    else:  # the embedded default reserves this machine's CPUs for the workers it starts
         cfg = ClusterConfig.embedded(prefill=args.prefill, decode=args.decode, mode=args.mode)
     updates: dict = {}
     if args.model:
@@ -104,8 +109,11 @@ def load_config(args: argparse.Namespace):
         updates["router"] = cfg.router.model_copy(update=router)
     engine = {k: getattr(args, k, None) for k in ("dtype", "max_model_len", "page_size", "num_pages", "max_num_seqs")}
     engine = {k: v for k, v in engine.items() if v is not None}
-    if engine:
-        updates["pools"] = [p.model_copy(update={"engine": p.engine.model_copy(update=engine)}) for p in cfg.pools]
+    tps = {role: _tp_of(args, role) for role in ("prefill", "decode", "colocated")}
+    if engine or any(tps.values()):
+        updates["pools"] = [p.model_copy(update={"engine": p.engine.model_copy(update={
+            **engine, **({"tensor_parallel_size": tps[p.role]} if tps[p.role] is not None else {})})})
+            for p in cfg.pools]
     if args.kv_transport:
         updates["transport"] = cfg.transport.model_copy(update={"kind": args.kv_transport})
     def dump(v):
@@ -113,7 +121,28 @@ def load_config(args: argparse.Namespace):
             return [dump(x) for x in v]
         return v.model_dump() if hasattr(v, "model_dump") else v
 
-    return ClusterConfig.model_validate({**cfg.model_dump(), **{k: dump(v) for k, v in updates.items()}})
+    cfg = ClusterConfig.model_validate({**cfg.model_dump(), **{k: dump(v) for k, v in updates.items()}})
+    if not args.config:  # the embedded default reserves this machine's CPUs for the ranks it starts
+        cfg = with_machine_cpus(cfg)
+    return cfg
+
+
+def with_machine_cpus(cfg):
+    """`cfg` with each rank of every pool reserving its share of this machine's CPUs (whole
+    CPUs, at least 1 each): the embedded default's workers use the machine they run on."""
+    from cluster.config import ClusterConfig, machine_share
+
+    share = machine_share(sum((p.replicas + p.spare_replicas) * p.engine.tensor_parallel_size for p in cfg.pools))
+    data = cfg.model_dump()
+    for p in data["pools"]:
+        p["resources"]["num_cpus"] = share
+    return ClusterConfig.model_validate(data)
+
+
+def _tp_of(args: argparse.Namespace, role: str) -> int | None:
+    """The tensor-parallel size the flags give a pool of `role` (None: the config's)."""
+    own = getattr(args, "prefill_tp" if role == "prefill" else "decode_tp", None)
+    return own if own is not None else getattr(args, "tp", None)
 
 
 def check_exposure(cfg, insecure: bool) -> None:
@@ -154,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args)
         check_exposure(cfg, getattr(args, "insecure", False))
+        from cluster.config import check_model_fit
+
+        check_model_fit(cfg)  # e.g. a tensor-parallel size that does not divide the model's heads
     except (ValidationError, ValueError, OSError) as exc:
         print(f"pdcluster serve: invalid configuration:\n{config_errors(exc)}", file=sys.stderr)
         return 2

@@ -27,18 +27,25 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(f"router {args.address}: policy {st.policy}, {st.inflight_requests}/{st.max_inflight} in flight, "
           f"{st.queued_requests}/{st.max_queue} queued, {st.requests_served} served, {st.requests_failed} failed")
-    print(f"{'worker':<16}{'role':<10}{'state':<10}{'ok':<4}{'pid':>8}  {'node':<16}{'restarts':>8}{'KV used':>15}"
+    print(f"{'worker':<16}{'role':<10}{'state':<10}{'ok':<4}{'pid':>8}  {'node':<16}{'tp':>3}{'threads':>8}"
+          f"{'restarts':>9}{'KV used':>15}"
           f"{'running':>8}{'waiting':>8}{'queued tok':>11}{'tok/s':>8}{'prefix hit':>11}{'placed':>7}")
-    notes = []
+    notes, ranks = [], []
     for w in st.workers:
         used = w.total_pages - w.free_pages
         kv = f"{used}/{w.total_pages} ({used / w.total_pages:.0%})" if w.total_pages else "-"
         print(f"{w.worker_id:<16}{w.role:<10}{w.state or '-':<10}{'yes' if w.healthy else 'NO':<4}{w.pid or '-':>8}  "
-              f"{w.node or '-':<16}{w.restarts:>8}{kv:>15}{w.running_requests:>8}{w.waiting_requests:>8}"
+              f"{w.node or '-':<16}{w.tp_size or '-':>3}{w.num_threads or '-':>8}{w.restarts:>9}{kv:>15}"
+              f"{w.running_requests:>8}{w.waiting_requests:>8}"
               f"{w.queued_tokens:>11}{w.tokens_per_s:>8.1f}{w.prefix_cache_hit_rate:>11.0%}{w.requests_placed:>7}")
         if w.error or w.last_error:
             notes.append(f"  {w.worker_id}: {_one_line(w.error or w.last_error)}"
                          + (" (now serving)" if w.healthy and not w.error else ""))
+        if w.tp_size > 1:
+            ranks.append(f"  {w.worker_id}: " + ", ".join(
+                f"rank {r} pid {pid} on {node or '-'}" for r, (pid, node) in enumerate(zip(w.rank_pids, w.rank_nodes))))
+    if ranks:  # a tensor-parallel worker's ranks: losing any loses the worker
+        print("\n".join(["tensor-parallel ranks:", *ranks]))
     if notes:  # reasons below the table, one line each: a remote traceback never breaks it
         print("\n".join(["why:", *notes]))
     return 0

@@ -285,7 +285,11 @@ class InferenceService(pb_grpc.InferenceServicer):
                 waiting_requests=ld.waiting_requests, queued_tokens=ld.queued_tokens,
                 transferring_requests=ld.transferring_requests, tokens_per_s=ld.tokens_per_s,
                 prefix_cache_hit_rate=ld.prefix_cache_hit_rate, requests_placed=v.placed, pid=v.pid, node=v.node,
-                state=v.state, restarts=v.restarts, last_error=v.last_error))
+                state=v.state, restarts=v.restarts, last_error=v.last_error,
+                # a Ray worker's report (cluster.actors.ClusterWorkerLoad); an in-process worker has none
+                tp_size=getattr(ld, "tp_size", 1) if v.load is not None else 0,
+                rank_pids=getattr(ld, "rank_pids", ()), rank_nodes=getattr(ld, "rank_nodes", ()),
+                num_threads=getattr(ld, "num_threads", 0)))
         return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name,
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,

@@ -96,7 +96,8 @@ def test_dockerfile_serves():
     ([{"name": "a", "role": "colocated"}, {"name": "a", "role": "colocated"}], "unique"),
     ([{"name": "a", "role": "colocated", "replicas": 0}], "replicas"),
     ([{"name": "a", "role": "colocated", "engine": {"page_size": 0}}], "page_size"),
-    ([{"name": "a", "role": "colocated", "engine": {"tensor_parallel_size": 2}}], "tensor_parallel_size"),
+    ([{"name": "a", "role": "colocated", "engine": {"tensor_parallel_size": 0}}], "tensor_parallel_size"),
+    ([{"name": "a", "role": "colocated", "resources": {"tp_placement": "ANYWHERE"}}], "tp_placement"),
     ([{"name": "a", "role": "colocated", "engine": {"attention_backend": "fast"}}], "attention_backend"),
     ([{"name": "a", "role": "gpu"}], "role"),
     ([{"name": "a", "role": "colocated", "bogus": 1}], "bogus"),
@@ -112,3 +113,25 @@ def test_router_settings_validate():
         ClusterConfig.model_validate({"pools": [{"name": "a", "role": "colocated"}], "router": {"policy": "random"}})
     with pytest.raises(pydantic.ValidationError, match="port"):
         ClusterConfig.model_validate({"pools": [{"name": "a", "role": "colocated"}], "router": {"port": 70000}})
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_must_divide_the_heads(tiny_model):
+    from cluster.config import check_model_fit
+
+    tiny_model("llama")  # 4 attention heads, 2 KV heads
+    cfg = ClusterConfig.model_validate({"model": "tiny", "pools": [
+        {"name": "a", "role": "colocated", "engine": {"tensor_parallel_size": 2},
+         "resources": {"num_cpus": 2.5}}]})
+    assert cfg.pools[0].engine.engine_kwargs()["tensor_parallel_size"] == 2
+    assert cfg.pools[0].resources.tp_placement == "STRICT_PACK" and cfg.pools[0].resources.threads == 2
+    check_model_fit(cfg)  # 2 divides 4 heads
+    bad = ClusterConfig.model_validate({"model": "tiny", "pools": [
+        {"name": "a", "role": "colocated"}, {"name": "b", "role": "colocated", "engine": {"tensor_parallel_size": 3}}]})
+    with pytest.raises(ValueError, match=r"pools\[1\]\.engine\.tensor_parallel_size \(pool 'b'.*num_attention_heads=4"):
+        check_model_fit(bad)
+
+
+def test_a_rank_uses_its_whole_reserved_cpus_as_threads():
+    from cluster.config import ResourceShape
+
+    assert [ResourceShape(num_cpus=c).threads for c in (0, 0.5, 1, 1.9, 2, 4)] == [1, 1, 1, 1, 2, 4]

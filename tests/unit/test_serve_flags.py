@@ -48,3 +48,37 @@ def test_a_router_reachable_from_other_machines_needs_tls_and_a_key(tmp_path, ca
     assert "cli-key" not in repr(cfg.router)  # keys stay out of logs and reprs
     assert main(["serve", "--model", "tiny", "--tls-cert", str(cert)]) == 2
     assert "tls_cert and router.tls_key go together" in capsys.readouterr().err
+
+
+def test_tensor_parallel_flags_set_each_roles_pools(tmp_path):
+    by_role = {p.role: p.engine.tensor_parallel_size
+               for p in serve.load_config(parse("--prefill-tp", "2", "--decode-tp", "4")).pools}
+    assert by_role == {"prefill": 2, "decode": 4}
+    assert {p.engine.tensor_parallel_size for p in serve.load_config(parse("--tp", "2")).pools} == {2}
+    assert {p.role: p.engine.tensor_parallel_size for p in serve.load_config(
+        parse("--tp", "2", "--decode-tp", "1")).pools} == {"prefill": 2, "decode": 1}
+    colocated = serve.load_config(parse("--mode", "colocated", "--decode-tp", "2")).pools
+    assert [(p.role, p.engine.tensor_parallel_size) for p in colocated] == [("colocated", 2)]
+    config = tmp_path / "c.yaml"
+    config.write_text("pools:\n  - {name: a, role: colocated, engine: {tensor_parallel_size: 2}}\n"
+                      "  - {name: b, role: colocated}\n")
+    assert [p.engine.tensor_parallel_size for p in serve.load_config(parse("--config", str(config))).pools] == [2, 1]
+    assert [p.engine.tensor_parallel_size
+            for p in serve.load_config(parse("--config", str(config), "--tp", "4")).pools] == [4, 4]
+
+
+def test_the_embedded_default_reserves_the_machines_cpus(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [p.resources.num_cpus for p in serve.load_config(parse()).pools] == [4, 4]  # prefill + decode
+    assert [p.resources.num_cpus for p in serve.load_config(parse("--tp", "2")).pools] == [2, 2]
+    assert [p.resources.num_cpus for p in serve.load_config(parse("--mode", "colocated")).pools] == [8]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert [p.resources.num_cpus for p in serve.load_config(parse("--decode", "3")).pools] == [1, 1]  # at least 1
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_before_anything_starts(tiny_model, capsys):
+    tiny_model("llama")  # 4 attention heads
+    assert main(["serve", "--model", "tiny", "--mode", "colocated", "--tp", "3", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pools[0].engine.tensor_parallel_size" in err and "num_attention_heads=4" in err, err
+    assert "Traceback" not in err

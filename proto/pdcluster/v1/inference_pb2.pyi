@@ -173,7 +173,7 @@ class DrainResponse(_message.Message):
     def __init__(self, finished: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error")
+    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,10 @@ class WorkerStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PIDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     role: str
@@ -212,7 +216,11 @@ class WorkerStatus(_message.Message):
     state: str
     restarts: int
     last_error: str
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    rank_pids: _containers.RepeatedScalarFieldContainer[int]
+    rank_nodes: _containers.RepeatedScalarFieldContainer[str]
+    num_threads: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed")
