@@ -96,13 +96,14 @@ class DecodeWorker:
 
     def _receive(self, req: Request) -> Admission | None:
         """Pages for the prompt and the descriptor to receive into, or None (pages short)."""
-        desc = self.core.add_remote(req) if self._fits(req) else None
-        if desc is None:
+        where = self.core.add_remote(req) if self._fits(req) else None
+        if where is None:
             return None
         self._stages[req.request_id] = DecodeStage.WAITING_FOR_KV
-        layout = desc.layout
-        return Admission(req.request_id, DecodeStage.WAITING_FOR_KV, desc.to_bytes(), len(desc.page_ids),
-                         len(desc.page_ids) * layout.page_bytes * layout.num_layers)
+        descs = where if isinstance(where, list) else [where]  # one per rank of a tensor-parallel engine
+        return Admission(req.request_id, DecodeStage.WAITING_FOR_KV, [d.to_bytes() for d in descs],
+                         sum(len(d.page_ids) for d in descs),
+                         sum(len(d.page_ids) * d.layout.page_bytes * d.layout.num_layers for d in descs))
 
     def _on_kv_failure(self, req: Request, error: str) -> bool:
         """The engine asks: the request's KV will not come. True: prefill it here."""

@@ -11,13 +11,24 @@ Set-up
   register_kv_caches(caches) the engine's KV tensors, once, before any request (per layer
                              [num_pages, 2, page_size, kv_heads, head_dim]): a transport registers
                              them where it needs to and never copies them
+Tensor parallelism (optional; an engine with tensor_parallel_size > 1 and a connector)
+  for_tensor_parallel() -> C the connector the leader uses in this one's place (default: refused
+                             with ValueError). C also answers:
+    follower_config(store) -> dict   what each follower process needs to build its rank's end
+                             (JSON-able, it goes into the follower's ShardSpec)
+    join_group(group, shard, num_kv_heads)   the leader's TPGroup, once connected, before
+                             register_kv_caches
+                             Everything below is then about the request on every rank: an event
+                             for a request comes once all ranks are done with it
+                             (kv_transfer/tp_connector.py).
 Scheduler side: what moves, and when pages may be freed
   check(req)                 a request with `kv_destinations` is valid for this connector
                              (raises ValueError naming what is wrong; nothing is kept)
   start_save(req) -> error   the request's last prompt chunk runs this step: start its send
                              (None, or why it could not start: the request then fails)
   prepare_receive(req) -> D  pages are allocated for a request whose prompt KV comes from
-                             elsewhere: publish where to write them (D travels to the sender)
+                             elsewhere: publish where to write them (D travels to the sender; a
+                             tensor-parallel engine's is a list, one descriptor per rank)
   request_finished(req) -> bool
                              the request leaves the engine (finished, aborted or failed): True if
                              the connector still needs its pages (a send or a receive in flight).
@@ -68,6 +79,9 @@ class KVEvent:
 class KVConnector(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_caches: list) -> None: ...
+
+    def for_tensor_parallel(self) -> KVConnector:
+        raise ValueError(f"{type(self).__name__} does not support tensor_parallel_size > 1")
 
     # ---- scheduler side ---------------------------------------------------------------------
     @abstractmethod

@@ -66,7 +66,7 @@ class PrefillWorker:
     @property
     def num_transferring(self) -> int:
         """Requests whose pages are still pinned by their send."""
-        return self.connector.num_sending
+        return self.core.connector.num_sending  # every rank's, under tensor parallelism
 
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the requests that ended in it (first token sampled, failed
