@@ -233,3 +233,40 @@ def test_killed_decode_follower_fails_the_transfer(tiny_model, workers):
     for rep in prefill.core.connector.follower_reports():
         assert rep["sender_pages"] == [] and rep["requests"] == [], rep
     assert decode.core.tensor_parallel_error is not None
+
+
+def test_killed_prefill_follower_fails_both_sides(tiny_model, workers):
+    # nixl: the decode ranks read from the prefill ranks. Prefill rank 1 dies before the prefill
+    # step: rank 0's send is cancelled with the failed step, the decode side hears the abort on
+    # its rank 0 and ends the receive on its rank 1 too.
+    prefill, decode = workers(tiny_model("llama"), "nixl", 2, 2, deadline_s=8.0)
+    d = Driver(prefill, decode)
+    d.add("k", random_prompts([70], 256, seed=10)[0])
+    (pid,) = prefill.core.tensor_parallel_pids
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: prefill.core.tensor_parallel_error is not None, 10, what="the prefill leader sees the loss")
+    d.run(timeout_s=60)
+    assert not d.prefill_results["k"].ok and "rank 1" in d.prefill_results["k"].error
+    assert d.finished["k"][0] == "error", d.finished
+    assert prefill.core.num_free_pages == prefill.core.num_pages
+    assert_nothing_held(decode)
+
+
+def test_impossible_pairing_is_refused_naming_the_heads(tiny_model, workers):
+    import dataclasses
+
+    from kv_transfer.descriptor import DestinationDescriptor
+
+    prefill, decode = workers(tiny_model("llama"), "grpc", 2, 1)
+    prompt = random_prompts([10], 256, seed=4)[0]
+    d = Driver(prefill, decode)
+    d.prompts["x"], d.tokens["x"] = (prompt, GREEDY), []  # admitted here, routed by hand below
+    (raw,) = decode.admit("x", prompt, GREEDY).descriptors
+    desc = DestinationDescriptor.from_bytes(raw)
+    alien = dataclasses.replace(desc, layout=dataclasses.replace(desc.layout, head_start=5, num_heads=1))
+    with pytest.raises(ValueError, match="impossible pairing: receiver rank 0 holds KV head 5"):
+        prefill.submit(PrefillTask("x", prompt, GREEDY, [alien.to_bytes()]))
+    assert decode.cancel("x")
+    d.run()
+    assert d.finished["x"][0] == "abort"
+    assert_nothing_held(prefill, decode)
