@@ -37,7 +37,7 @@ from engine.outputs import RequestOutput, Resume
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
-from kv_transfer.connector import TransferConnector
+from kv_transfer.tp_connector import make_connector
 
 
 class DecodeWorker:
@@ -48,9 +48,9 @@ class DecodeWorker:
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
         """`transport=None`: a colocated worker, which prefills every prompt itself."""
         self.config = config or DecodeConfig()
-        self.connector = None if transport is None else TransferConnector(
+        self.connector = None if transport is None else make_connector(
             transport, transfer_config, model_id=model_id or resolve_model(model).name, receive=True,
-            transport_kwargs=transport_kwargs)
+            transport_kwargs=transport_kwargs, tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
         self.core = EngineCore(model, kv_connector=self.connector, on_kv_failure=self._on_kv_failure, **engine_kwargs)
         self._stages: dict[str, DecodeStage] = {}  # every open request, by id
         self._queued: deque[Request] = deque()       # QUEUED_FOR_PAGES, FIFO

@@ -20,8 +20,8 @@ with its shard of the model and the KV cache of its KV heads, and hands them eve
 batch; scheduling, sampling and detokenizing stay here. A lost follower fails the step that
 finds it (its requests end with finish_reason "error" naming the rank) and every step after:
 `tensor_parallel_error` says why; the engine must be replaced. `close()` stops the followers.
-With a KV connector, every rank sends or receives its own KV heads: the connector's
-`for_tensor_parallel()` (kv_transfer/tp_connector.py) drives one per follower.
+With a KV connector, every rank sends or receives its own KV heads: the leader's connector
+(kv_transfer/tp_connector.py) has each follower build its rank's end and drives it.
 """
 from __future__ import annotations
 
@@ -116,9 +116,10 @@ class EngineCore:
         TPShard.of(cfg, 0, tensor_parallel_size, vocab_parallel_lm_head)  # raises if N does not fit the model
         if tp_transport not in TRANSPORTS:
             raise ValueError(f"tp_transport must be one of {list(TRANSPORTS)}, got {tp_transport!r}")
-        if tensor_parallel_size > 1 and kv_connector is not None:
-            # every rank moves its own KV heads: the leader's connector drives one per follower
-            kv_connector = kv_connector.for_tensor_parallel()
+        if tensor_parallel_size > 1 and kv_connector is not None and not kv_connector.tensor_parallel:
+            raise ValueError(f"tensor_parallel_size > 1 needs a KV connector that moves every rank's KV heads "
+                             f"(kv_transfer.tp_connector.TPConnector); {type(kv_connector).__name__} moves only the "
+                             f"leader's")
         self.tensor_parallel_size = tensor_parallel_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, torch.float32 if self.device.type == "cpu" else torch.bfloat16)

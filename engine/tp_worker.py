@@ -54,8 +54,9 @@ class ShardSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     vocab_parallel: bool = False
     transport: str = "gloo"  # CPU all-reduces: "gloo" or "socket" (engine/parallel.py)
-    # The engine's KV connector, as each follower builds its rank's end of it (None: no
-    # connector); kv_transfer/tp_connector.py: TPConnector.follower_config
+    # The engine's KV connector as each follower builds its rank's end of it (None: no
+    # connector): {"factory": "module:callable", "settings": {...}}, from the leader's
+    # connector's follower_config (engine/kv_connector.py); the engine imports no transport
     kv_connector: dict | None = None
 
     def to_json(self) -> str:
@@ -109,12 +110,11 @@ class TPFollower:
                 page_size=spec.page_size, num_pages=spec.num_pages, max_model_len=spec.max_model_len,
                 attention_backend=spec.attention_backend, tp=self.group, vocab_parallel=spec.vocab_parallel,
             )
-            if spec.kv_connector is not None:
-                from kv_transfer.tp_connector import FollowerKV
-
-                kv = FollowerKV(spec.kv_connector, self.rank, self.host, runner.kv_caches,
-                                runner.shard.kv_head_start, cfg.num_kv_heads, store,
-                                connect_store(self.init_method, is_master=False, timeout_s=IDLE_POLL_S))
+            if spec.kv_connector is not None:  # this rank's end of the engine's KV connector
+                build = _resolve(spec.kv_connector["factory"])
+                kv = build(spec.kv_connector["settings"], rank=self.rank, host=self.host, kv_caches=runner.kv_caches,
+                           head_start=runner.shard.kv_head_start, num_kv_heads=cfg.num_kv_heads, store=store,
+                           event_store=connect_store(self.init_method, is_master=False, timeout_s=IDLE_POLL_S))
         except Exception as exc:
             store.set(ERROR_KEY.format(rank=self.rank), f"{type(exc).__name__}: {exc}"[:2000])
             raise
@@ -207,6 +207,14 @@ class LocalFollowers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _resolve(path: str):
+    """'package.module:name' -> that object (a connector's follower-side factory)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _die_with_parent() -> None:

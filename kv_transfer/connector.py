@@ -68,13 +68,6 @@ class TransferConnector(KVConnector):
             self.receiver = create_receiver(self.transport, self.pool, self.config, on_release=self._receive_failed,
                                             on_done=self._received, **self._transport_kwargs)
 
-    def for_tensor_parallel(self) -> KVConnector:
-        """The leader's connector of a tensor-parallel engine: this one for rank 0's KV heads,
-        and one like it built in each follower's process (kv_transfer/tp_connector.py)."""
-        from kv_transfer.tp_connector import TPConnector
-
-        return TPConnector(self)
-
     @property
     def endpoint(self) -> str:
         """Where senders reach this connector's receiver."""

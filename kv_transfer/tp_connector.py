@@ -104,11 +104,23 @@ class _Transfer:
     silent: bool = False  # the engine no longer waits for its event (it freed or never had the pages)
 
 
+def make_connector(transport: str, config: TransferConfig | None = None, *, model_id: str, send: bool = False,
+                   receive: bool = False, transport_kwargs: dict | None = None,
+                   tensor_parallel_size: int = 1) -> KVConnector:
+    """A worker's connector: a TransferConnector, wrapped in a TPConnector for a tensor-parallel
+    engine (nothing added at tensor_parallel_size 1)."""
+    conn = TransferConnector(transport, config, model_id=model_id, send=send, receive=receive,
+                             transport_kwargs=transport_kwargs)
+    return TPConnector(conn) if tensor_parallel_size > 1 else conn
+
+
 class TPConnector(KVConnector):
-    """The connector of a tensor-parallel leader (module docstring). Built by
-    `TransferConnector.for_tensor_parallel()`; the engine calls `follower_config(store)` for
-    the followers' ShardSpec, then `join_group(group, shard, num_kv_heads)` and
-    `register_kv_caches` once the group is up."""
+    """The connector of a tensor-parallel leader (module docstring), over rank 0's
+    `TransferConnector`; the engine calls `follower_config(store)` for the followers'
+    ShardSpec, then `join_group(group, shard, num_kv_heads)` and `register_kv_caches` once the
+    group is up."""
+
+    tensor_parallel = True
 
     def __init__(self, rank0: TransferConnector) -> None:
         if rank0.transport == "local" or rank0._transport_kwargs:
@@ -132,6 +144,11 @@ class TPConnector(KVConnector):
         self._threads: list[threading.Thread] = []
         rank0.set_wakeup(lambda: self._wakeup())
 
+    @property
+    def endpoint(self) -> str:
+        """Where senders reach rank 0's receiver."""
+        return self.rank0.endpoint
+
     # ---- set-up -----------------------------------------------------------------------------
     def follower_config(self, store) -> dict:
         """What a follower needs to build its rank's connector (JSON-able, for its ShardSpec); the
@@ -140,8 +157,9 @@ class TPConnector(KVConnector):
         if c.config.secret:
             store.set(_SECRET_KEY, c.config.secret)
         send, receive = c._roles
-        return {"transport": c.transport, "model_id": c.model_id, "send": send, "receive": receive,
-                "config": config_to_json(c.config), "has_secret": bool(c.config.secret)}
+        return {"factory": f"{__name__}:FollowerKV",
+                "settings": {"transport": c.transport, "model_id": c.model_id, "send": send, "receive": receive,
+                             "config": config_to_json(c.config), "has_secret": bool(c.config.secret)}}
 
     def join_group(self, group, shard, num_kv_heads: int) -> None:
         """The leader's TPGroup (connected) and rank 0's shard; starts the listener and watchdog."""
@@ -466,9 +484,11 @@ class FollowerKV:
     `lock` is held by the step loop around each command and each forward, and by the pump
     around each batch of events it forwards."""
 
-    def __init__(self, settings: dict, rank: int, host: str, kv_caches: list, head_start: int, num_kv_heads: int,
-                 main_store, event_store) -> None:
-        secret = main_store.get(_SECRET_KEY).decode() if settings.get("has_secret") else ""
+    def __init__(self, settings: dict, *, rank: int, host: str, kv_caches: list, head_start: int, num_kv_heads: int,
+                 store, event_store) -> None:
+        """`settings`: TPConnector.follower_config's; `host`: this rank's address (its transport
+        binds there); `store`: the group's store; `event_store`: a connection of its own to it."""
+        secret = store.get(_SECRET_KEY).decode() if settings.get("has_secret") else ""
         config = dataclasses.replace(config_from_json(settings["config"], secret), host=host, port=0)
         self.rank = rank
         self.conn = TransferConnector(settings["transport"], config, model_id=settings["model_id"],

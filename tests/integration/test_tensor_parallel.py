@@ -182,15 +182,18 @@ def test_tp_that_does_not_divide_heads_is_refused(tp, needle, tiny_model):
 
 
 def test_tp_refuses_a_kv_connector_its_followers_cannot_build(tiny_model):
-    # TP with nixl/grpc connectors: tests/integration/test_tp_disaggregated.py. The local
-    # transport's hub lives in one process: a follower could not reach it.
+    # TP with nixl/grpc connectors: tests/integration/test_tp_disaggregated.py. A connector that
+    # moves only the leader's KV heads is refused; so is the local transport, whose hub lives in
+    # one process (a follower could not reach it).
     from engine import LLM
     from kv_transfer.connector import TransferConnector
     from kv_transfer.local import LocalHub
+    from kv_transfer.tp_connector import make_connector
 
-    local = TransferConnector("local", model_id="tiny", send=True, transport_kwargs={"hub": LocalHub()})
+    with pytest.raises(ValueError, match="moves only the leader's"):
+        LLM(tiny_model("llama"), tensor_parallel_size=2, kv_connector=TransferConnector("grpc", model_id="t", send=True))
     with pytest.raises(ValueError, match="nixl or grpc"):
-        LLM(tiny_model("llama"), tensor_parallel_size=2, kv_connector=local)
+        make_connector("local", model_id="t", send=True, transport_kwargs={"hub": LocalHub()}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tp_transport"):
         LLM(tiny_model("llama"), tensor_parallel_size=2, tp_transport="mpi")
 
