@@ -46,8 +46,8 @@ def workers():
     made = []
 
     def make(model, transport, p_tp, d_tp, *, prefill_page=16, decode_page=8, num_pages=96, deadline_s=20.0,
-             max_num_seqs=8):
-        cfg = TransferConfig(deadline_s=deadline_s, liveness_interval_s=0.1)
+             max_num_seqs=8, handshake_timeout_s=5.0):
+        cfg = TransferConfig(deadline_s=deadline_s, liveness_interval_s=0.1, handshake_timeout_s=handshake_timeout_s)
         engine = dict(num_pages=num_pages, max_num_batched_tokens=256, max_num_seqs=max_num_seqs,
                       tp_transport="socket")
         prefill = PrefillWorker(model, transport=transport, transfer_config=cfg, page_size=prefill_page,
@@ -217,7 +217,7 @@ def test_cancel_mid_transfer_frees_everything(tiny_model, workers):
 
 
 def test_killed_decode_follower_fails_the_transfer(tiny_model, workers):
-    prefill, decode = workers(tiny_model("llama"), "grpc", 2, 2, deadline_s=8.0)
+    prefill, decode = workers(tiny_model("llama"), "grpc", 2, 2, deadline_s=8.0, handshake_timeout_s=2.0)
     d = Driver(prefill, decode)
     prompt = random_prompts([70], 256, seed=9)[0]
     d.add("k", prompt)
@@ -239,7 +239,7 @@ def test_killed_prefill_follower_fails_both_sides(tiny_model, workers):
     # nixl: the decode ranks read from the prefill ranks. Prefill rank 1 dies before the prefill
     # step: rank 0's send is cancelled with the failed step, the decode side hears the abort on
     # its rank 0 and ends the receive on its rank 1 too.
-    prefill, decode = workers(tiny_model("llama"), "nixl", 2, 2, deadline_s=8.0)
+    prefill, decode = workers(tiny_model("llama"), "nixl", 2, 2, deadline_s=8.0, handshake_timeout_s=2.0)
     d = Driver(prefill, decode)
     d.add("k", random_prompts([70], 256, seed=10)[0])
     (pid,) = prefill.core.tensor_parallel_pids
