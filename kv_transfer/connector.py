@@ -69,6 +69,15 @@ class TransferConnector(KVConnector):
                                             on_done=self._received, **self._transport_kwargs)
 
     @property
+    def roles(self) -> tuple[bool, bool]:
+        """(sends, receives)."""
+        return self._roles
+
+    @property
+    def transport_kwargs(self) -> dict:
+        return self._transport_kwargs
+
+    @property
     def endpoint(self) -> str:
         """Where senders reach this connector's receiver."""
         if self.receiver is None:

@@ -123,7 +123,7 @@ class TPConnector(KVConnector):
     tensor_parallel = True
 
     def __init__(self, rank0: TransferConnector) -> None:
-        if rank0.transport == "local" or rank0._transport_kwargs:
+        if rank0.transport == "local" or rank0.transport_kwargs:
             raise ValueError(f"tensor_parallel_size > 1 needs a transport every rank's process can build from its "
                              f"settings (nixl or grpc); {rank0.transport!r} with transport_kwargs cannot reach "
                              f"follower processes")
@@ -156,7 +156,7 @@ class TPConnector(KVConnector):
         c = self.rank0
         if c.config.secret:
             store.set(_SECRET_KEY, c.config.secret)
-        send, receive = c._roles
+        send, receive = c.roles
         return {"factory": f"{__name__}:FollowerKV",
                 "settings": {"transport": c.transport, "model_id": c.model_id, "send": send, "receive": receive,
                              "config": config_to_json(c.config), "has_secret": bool(c.config.secret)}}
@@ -217,6 +217,7 @@ class TPConnector(KVConnector):
                 self._command(r, "expect", t, pages=list(req.pages), num_tokens=req.num_tokens)
             replies = [self._await_reply(t.tid, r, "expect") for r in range(1, self.world)]
             errors = [f"rank {r}: {e['error']}" for r, e in enumerate(replies, start=1) if e.get("error")]
+            t.pending -= {r for r, e in enumerate(replies, start=1) if e.get("error")}  # they track nothing
             if errors:
                 raise ValueError(f"a tensor-parallel rank could not expect the KV: {'; '.join(errors)}")
         except BaseException:

@@ -174,7 +174,8 @@ def test_greedy_matches_colocated(transport, p_tp, d_tp, tiny_model, workers, co
     _greedy_round(workers, colocated, tiny_model("llama"), transport, p_tp, d_tp, **pages)
 
 
-@pytest.mark.parametrize("transport, p_tp, d_tp", [("nixl", 2, 1), ("grpc", 1, 2), ("grpc", 2, 2)])
+@pytest.mark.parametrize("transport, p_tp, d_tp", [("nixl", 2, 1), ("grpc", 1, 2),
+                                                   pytest.param("grpc", 2, 2, marks=pytest.mark.slow)])
 def test_replicated_kv_head(transport, p_tp, d_tp, kv1_model, workers, colocated):
     # one KV head: at TP=2 both ranks hold it. A replicated sender sends it once (from one
     # rank); a replicated receiver gets it on each of its ranks.
