@@ -234,6 +234,12 @@ def test_killed_decode_follower_fails_the_transfer(tiny_model, workers):
     for rep in prefill.core.connector.follower_reports():
         assert rep["sender_pages"] == [] and rep["requests"] == [], rep
     assert decode.core.tensor_parallel_error is not None
+    # a later admission cannot get rank 1's descriptor: it fails at once, nothing kept
+    from engine.parallel import TPGroupError
+
+    with pytest.raises(TPGroupError, match="no expect reply from rank 1"):
+        decode.admit("after", prompt, GREEDY)
+    assert decode.core.num_free_pages == decode.core.num_pages and not decode.has_requests
 
 
 def test_killed_prefill_follower_fails_both_sides(tiny_model, workers):
