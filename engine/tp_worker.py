@@ -3,8 +3,9 @@ starts them on its own host.
 
 `TPFollower(spec, rank, world, init_method).run()` is one follower: it connects to the group's
 TCPStore (the leader hosts it at `init_method`), loads its shard of the model and allocates
-its KV heads' cache (and its end of the engine's KV connector, if any), says it is ready, joins the process group and then runs every step the
-leader hands it until the leader stops the group (or is gone). It needs no scheduler: the
+its KV heads' cache (and builds its end of the engine's KV connector, if any), says it is
+ready, joins the process group and then runs every step (and connector command) the leader
+hands it until the leader stops the group (or is gone). It needs no scheduler: the
 leader's block pool numbers the pages for every rank. Anything that can run a Python call can
 host it: a subprocess (`python -m engine.tp_worker SPEC RANK WORLD INIT_METHOD`, what
 `LocalFollowers` starts for `LLM(..., tensor_parallel_size=N)`), or a Ray actor per rank.

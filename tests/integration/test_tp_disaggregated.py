@@ -56,6 +56,7 @@ def workers():
         decode = DecodeWorker(model, transport=transport, transfer_config=cfg, page_size=decode_page,
                               detokenize=False, tensor_parallel_size=d_tp, **engine)
         made.append(decode)
+        register_engine(prefill.core), register_engine(decode.core)  # the leak check after each test
         return prefill, decode
 
     yield make
