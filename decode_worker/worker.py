@@ -21,6 +21,9 @@ Everything else is the engine's: WAITING_FOR_KV is its WAITING_FOR_REMOTE_KV sta
 the request joins the batch with the first token sampled by the prefill side (a draw depends
 only on seed and position, so seeded output matches a colocated run); preemption recomputes.
 
+With `tensor_parallel_size=N` (an engine keyword) every rank receives its own KV heads: an
+admission carries one descriptor per rank, all of which go to the prefill worker.
+
 Threading: single-threaded; call every method from one thread (engine/loop.py runs it).
 """
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """`PrefillWorker`: an EngineCore with a sending KV connector. It runs each request to its first
-token; the engine's connector sends the prompt's KV to the decode side layer by layer.
+token; the engine's connector sends the prompt's KV to the decode side layer by layer. With
+`tensor_parallel_size=N` (an engine keyword) every rank sends its own KV heads to the decode
+ranks that hold them (a task carries one descriptor per decode rank; kv_transfer/tp_connector.py).
 
 A request's way through the worker:
 

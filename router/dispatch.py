@@ -532,7 +532,9 @@ class Dispatcher:
                 stats.prefill_start = time.monotonic()
             prefill_lost = False
             try:
-                result = await prefill.submit(PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors)))
+                # every decode rank's descriptor: the prefill worker sends each rank its KV heads
+                task = PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors))
+                result = await prefill.submit(task)
             except ValueError as exc:
                 raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
             except Exception as exc:  # the worker died or its actor is gone: retryable
