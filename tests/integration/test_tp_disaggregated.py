@@ -8,7 +8,9 @@ ranks of either side (a 1-KV-head llama at TP=2): greedy tokens equal a colocate
 engine's (the near-tie rule of test_tensor_parallel.py), for prompts of 1..100 tokens and
 different page sizes on the two sides; 32 concurrent streams over 2 -> 1 and 1 -> 2 with none
 lost; a request cancelled mid-transfer; a decode follower killed with SIGKILL mid-transfer (the
-request fails naming the lost rank, no hang; the prefill side's pages come back). After every
+request fails naming the lost rank, no hang; the prefill side's pages come back), and a prefill
+follower killed; an impossible head pairing refused with the plan's message; close() mid-
+transfer returning every page. After every
 test: free pages equal the total on both leaders' block pools, and every follower's sender and
 receiver track no pages (`TPConnector.follower_reports`).
 """
@@ -278,3 +280,19 @@ def test_impossible_pairing_is_refused_naming_the_heads(tiny_model, workers):
     d.run()
     assert d.finished["x"][0] == "abort"
     assert_nothing_held(prefill, decode)
+
+
+def test_close_mid_transfer_returns_every_page(tiny_model, workers):
+    # close() fails the transfers in flight on every rank (the followers' connectors too) and
+    # the pages come back before it returns
+    prefill, decode = workers(tiny_model("llama"), "nixl", 2, 2)
+    d = Driver(prefill, decode)
+    for i, p in enumerate(random_prompts([80, 50, 20], 256, seed=8)):
+        d.add(f"x{i}", p)
+    wait_until(lambda: (prefill.step() or True) and prefill.num_transferring > 0, timeout_s=30)
+    assert decode.core.num_free_pages < decode.core.num_pages
+    for w in (decode, prefill):
+        pids = w.core.tensor_parallel_pids
+        w.close()
+        assert w.core.num_free_pages == w.core.num_pages and not w.core.has_requests
+        assert followers_gone(pids)
