@@ -493,7 +493,8 @@ def _stop_tensor_parallel(group: TPGroup, followers, store) -> None:
     followers.stop()
     group.mark_broken("the engine is closed")
     group.close()
-    del store  # the store (and its server thread) goes with the last reference
+    group.store = None  # the store (its listener and server thread) goes with the last reference: not
+    del store           # left listening while a closed engine object lives on
 
 
 def _check_positive(**values: int) -> None:

