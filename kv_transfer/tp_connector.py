@@ -307,7 +307,10 @@ class TPConnector(KVConnector):
         return [self._await_reply(0, r, "report", timeout_s) for r in range(1, self.world)]
 
     def close(self) -> None:
-        """Fail every transfer on every rank; the pages come back with the events that follow."""
+        """Fail every transfer on every rank; the pages come back with the events that follow.
+        A second call does nothing."""
+        if self._stop.is_set():
+            return
         self.rank0.close()
         if self.group is not None and self._group_broken() is None:
             try:
@@ -318,7 +321,7 @@ class TPConnector(KVConnector):
             except Exception as exc:  # a lost follower: its pages went with it
                 log.warning("closing the followers' KV connectors: %s", exc)
         self._stop.set()
-        if self.group is not None:
+        if self.group is not None and self.group.store is not None:
             try:
                 self.group.store.queue_push(_EVENTS, json.dumps({"kind": "stop"}).encode())
             except RuntimeError:
