@@ -59,21 +59,32 @@ class DecodeConfig:
 
 @dataclass(slots=True)
 class Admission:
-    """The decode worker's answer to a new request. With `descriptor` set (the receiver's
-    `DestinationDescriptor.to_bytes()`), send it with the prefill task; QUEUED_FOR_PAGES gets its
-    descriptor in a later Admission, among the request's outputs; LOCAL_PREFILL needs no prefill
-    worker at all. `kv_bytes`: what the transfer will move (every destination page, K and V,
-    every layer)."""
+    """The decode worker's answer to a new request. With `descriptors` set (each receiving rank's
+    `DestinationDescriptor.to_bytes()`, in rank order: one at tensor_parallel_size 1), send them
+    all with the prefill task; QUEUED_FOR_PAGES gets its descriptors in a later Admission, among
+    the request's outputs; LOCAL_PREFILL needs no prefill worker at all. `num_pages` and
+    `kv_bytes` (what the transfer will move: every destination page, K and V, every layer) are
+    summed over the ranks."""
 
     request_id: str
     stage: DecodeStage
-    descriptor: bytes | None = None
+    descriptors: list[bytes] | None = None
     num_pages: int = 0
     kv_bytes: int = 0
 
     @property
     def finished(self) -> bool:
         return False
+
+    @property
+    def descriptor(self) -> bytes | None:
+        """The one descriptor of a single-rank decode worker (None if there is none)."""
+        if not self.descriptors:
+            return None
+        if len(self.descriptors) != 1:
+            raise ValueError(f"this admission has {len(self.descriptors)} descriptors (a tensor-parallel decode "
+                             "worker): use Admission.descriptors")
+        return self.descriptors[0]
 
 
 @dataclass(slots=True)

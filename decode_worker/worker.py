@@ -21,6 +21,9 @@ Everything else is the engine's: WAITING_FOR_KV is its WAITING_FOR_REMOTE_KV sta
 the request joins the batch with the first token sampled by the prefill side (a draw depends
 only on seed and position, so seeded output matches a colocated run); preemption recomputes.
 
+With `tensor_parallel_size=N` (an engine keyword) every rank receives its own KV heads: an
+admission carries one descriptor per rank, all of which go to the prefill worker.
+
 Threading: single-threaded; call every method from one thread (engine/loop.py runs it).
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ from engine.outputs import RequestOutput, Resume
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
-from kv_transfer.connector import TransferConnector
+from kv_transfer.tp_connector import make_connector
 
 
 class DecodeWorker:
@@ -48,9 +51,9 @@ class DecodeWorker:
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
         """`transport=None`: a colocated worker, which prefills every prompt itself."""
         self.config = config or DecodeConfig()
-        self.connector = None if transport is None else TransferConnector(
+        self.connector = None if transport is None else make_connector(
             transport, transfer_config, model_id=model_id or resolve_model(model).name, receive=True,
-            transport_kwargs=transport_kwargs)
+            transport_kwargs=transport_kwargs, tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
         self.core = EngineCore(model, kv_connector=self.connector, on_kv_failure=self._on_kv_failure, **engine_kwargs)
         self._stages: dict[str, DecodeStage] = {}  # every open request, by id
         self._queued: deque[Request] = deque()       # QUEUED_FOR_PAGES, FIFO
@@ -96,13 +99,14 @@ class DecodeWorker:
 
     def _receive(self, req: Request) -> Admission | None:
         """Pages for the prompt and the descriptor to receive into, or None (pages short)."""
-        desc = self.core.add_remote(req) if self._fits(req) else None
-        if desc is None:
+        where = self.core.add_remote(req) if self._fits(req) else None
+        if where is None:
             return None
         self._stages[req.request_id] = DecodeStage.WAITING_FOR_KV
-        layout = desc.layout
-        return Admission(req.request_id, DecodeStage.WAITING_FOR_KV, desc.to_bytes(), len(desc.page_ids),
-                         len(desc.page_ids) * layout.page_bytes * layout.num_layers)
+        descs = where if isinstance(where, list) else [where]  # one per rank of a tensor-parallel engine
+        return Admission(req.request_id, DecodeStage.WAITING_FOR_KV, [d.to_bytes() for d in descs],
+                         sum(len(d.page_ids) for d in descs),
+                         sum(len(d.page_ids) * d.layout.page_bytes * d.layout.num_layers for d in descs))
 
     def _on_kv_failure(self, req: Request, error: str) -> bool:
         """The engine asks: the request's KV will not come. True: prefill it here."""

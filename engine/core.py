@@ -20,6 +20,8 @@ with its shard of the model and the KV cache of its KV heads, and hands them eve
 batch; scheduling, sampling and detokenizing stay here. A lost follower fails the step that
 finds it (its requests end with finish_reason "error" naming the rank) and every step after:
 `tensor_parallel_error` says why; the engine must be replaced. `close()` stops the followers.
+With a KV connector, every rank sends or receives its own KV heads: the leader's connector
+(kv_transfer/tp_connector.py) has each follower build its rank's end and drives it.
 """
 from __future__ import annotations
 
@@ -114,9 +116,10 @@ class EngineCore:
         TPShard.of(cfg, 0, tensor_parallel_size, vocab_parallel_lm_head)  # raises if N does not fit the model
         if tp_transport not in TRANSPORTS:
             raise ValueError(f"tp_transport must be one of {list(TRANSPORTS)}, got {tp_transport!r}")
-        if tensor_parallel_size > 1 and kv_connector is not None:
-            raise ValueError("tensor_parallel_size > 1 with a KV connector is not supported yet: the connector would "
-                             "see only the leader's KV heads (issue 35, item 3)")
+        if tensor_parallel_size > 1 and kv_connector is not None and not kv_connector.tensor_parallel:
+            raise ValueError(f"tensor_parallel_size > 1 needs a KV connector that moves every rank's KV heads "
+                             f"(kv_transfer.tp_connector.TPConnector); {type(kv_connector).__name__} moves only the "
+                             f"leader's")
         self.tensor_parallel_size = tensor_parallel_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, torch.float32 if self.device.type == "cpu" else torch.bfloat16)
@@ -149,6 +152,8 @@ class EngineCore:
         else:
             self.runner = ModelRunner(self.model_dir, cfg, **runner_kw)
         if kv_connector is not None:
+            if self._tp is not None:
+                kv_connector.join_group(self._tp, self.runner.shard, cfg.num_kv_heads)
             kv_connector.register_kv_caches(self.runner.kv_caches)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.detokenize = detokenize and self.tokenizer is not None
@@ -190,6 +195,8 @@ class EngineCore:
             vocab_parallel=vocab_parallel, transport=transport,
         )
         store = connect_store(f"tcp://{host}:0", is_master=True, timeout_s=timeout_s)  # binds a free port
+        if self.connector is not None:
+            spec.kv_connector = self.connector.follower_config(store)
         init_method = f"tcp://{host}:{store.port}"
         followers = (launcher or LocalFollowers)(spec, world, init_method, devices,
                                                  max(1, torch.get_num_threads() // world))
@@ -486,7 +493,8 @@ def _stop_tensor_parallel(group: TPGroup, followers, store) -> None:
     followers.stop()
     group.mark_broken("the engine is closed")
     group.close()
-    del store  # the store (and its server thread) goes with the last reference
+    group.store = None  # the store (its listener and server thread) goes with the last reference: not
+    del store           # left listening while a closed engine object lives on
 
 
 def _check_positive(**values: int) -> None:

@@ -11,13 +11,28 @@ Set-up
   register_kv_caches(caches) the engine's KV tensors, once, before any request (per layer
                              [num_pages, 2, page_size, kv_heads, head_dim]): a transport registers
                              them where it needs to and never copies them
+Tensor parallelism (an engine with tensor_parallel_size > 1 takes only a connector whose
+`tensor_parallel` is True: each rank moves its own KV heads; kv_transfer/tp_connector.py)
+  follower_config(store) -> dict
+                             how each follower builds its rank's end (JSON-able, for its
+                             ShardSpec): {"factory": "module:callable", "settings": {...}}; the
+                             follower calls factory(settings, rank=, host=, kv_caches=,
+                             head_start=, num_kv_heads=, store=, event_store=) and gets an object
+                             with handle(command bytes), on_layer() (the forward's callback or
+                             None), lock (held around each forward) and close()
+                             (engine/tp_worker.py); the engine imports no transport
+  join_group(group, shard, num_kv_heads)
+                             the leader's TPGroup, once connected, before register_kv_caches
+                             Everything below then covers the request on every rank: its event
+                             comes once all ranks are done with it.
 Scheduler side: what moves, and when pages may be freed
   check(req)                 a request with `kv_destinations` is valid for this connector
                              (raises ValueError naming what is wrong; nothing is kept)
   start_save(req) -> error   the request's last prompt chunk runs this step: start its send
                              (None, or why it could not start: the request then fails)
   prepare_receive(req) -> D  pages are allocated for a request whose prompt KV comes from
-                             elsewhere: publish where to write them (D travels to the sender)
+                             elsewhere: publish where to write them (D travels to the sender; a
+                             tensor-parallel engine's is a list, one descriptor per rank)
   request_finished(req) -> bool
                              the request leaves the engine (finished, aborted or failed): True if
                              the connector still needs its pages (a send or a receive in flight).
@@ -68,6 +83,14 @@ class KVEvent:
 class KVConnector(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_caches: list) -> None: ...
+
+    tensor_parallel = False  # True: moves every rank's KV heads (the hooks below)
+
+    def follower_config(self, store) -> dict:
+        raise NotImplementedError
+
+    def join_group(self, group, shard, num_kv_heads: int) -> None:
+        raise NotImplementedError
 
     # ---- scheduler side ---------------------------------------------------------------------
     @abstractmethod

@@ -110,13 +110,14 @@ class ModelRunner:
         return self.model(input_ids, positions, self.attn, self.kv_caches, on_layer, final_norm=final_norm)
 
     @torch.inference_mode()
-    def follower_step(self, inputs: StepInputs) -> None:
-        """A follower's part of one step: its shard's forward and, with a vocab-parallel LM
-        head, its slice of the sampled rows' logits, gathered by the leader."""
+    def follower_step(self, inputs: StepInputs, on_layer=None) -> None:
+        """A follower's part of one step: its shard's forward (`on_layer(i)` once layer i's K/V
+        are written, as on the leader) and, with a vocab-parallel LM head, its slice of the
+        sampled rows' logits, gathered by the leader."""
         if not self.shard.vocab_parallel:
-            self.forward_step(inputs, final_norm=False)
+            self.forward_step(inputs, on_layer, final_norm=False)
             return
-        hidden = self.forward_step(inputs)
+        hidden = self.forward_step(inputs, on_layer)
         if inputs.sample_rows:
             self.tp.gather_logits(self.model.compute_logits(hidden[inputs.sample_rows]))
 

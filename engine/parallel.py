@@ -43,6 +43,10 @@ from engine.config import ModelConfig
 DEFAULT_TIMEOUT_S = 120.0  # a collective (one layer's all-reduce) waits this long for its peers
 _STEP_QUEUE = "step/{rank}"
 _STOP = b""
+# A follower's queue carries, in order: steps (tag + encode_step), connector commands (tag + the
+# command's bytes, which the follower's KV connector parses: kv_transfer/tp_connector.py), and
+# _STOP. A command pushed before a step is handled before that step runs.
+_STEP_TAG, _COMMAND_TAG = b"S", b"C"
 
 
 class TPGroupError(RuntimeError):
@@ -365,7 +369,7 @@ class TPGroup:
     def send_step(self, inputs: StepInputs) -> None:
         """Leader: hand this step's inputs to every follower (they start at once)."""
         self.check()
-        msg = encode_step(inputs)
+        msg = _STEP_TAG + encode_step(inputs)
         try:
             for r in range(1, self.world):
                 self.store.queue_push(_STEP_QUEUE.format(rank=r), msg)
@@ -373,6 +377,16 @@ class TPGroup:
             self.mark_broken(f"sending a step failed: {_first_line(exc)}")
             raise TPGroupError(self.broken) from exc
         self.num_steps += 1
+
+    def send_command(self, rank: int, command: bytes) -> None:
+        """Leader: queue a connector command for follower `rank`, after the steps sent so far and
+        before the next one. Raises TPGroupError when the group is broken."""
+        self.check()
+        try:
+            self.store.queue_push(_STEP_QUEUE.format(rank=rank), _COMMAND_TAG + command)
+        except RuntimeError as exc:
+            self.mark_broken(f"sending a connector command failed: {_first_line(exc)}")
+            raise TPGroupError(self.broken) from exc
 
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
@@ -387,9 +401,10 @@ class TPGroup:
                 return
 
     # -- follower ----------------------------------------------------------------------------
-    def recv_step(self) -> StepInputs | None:
-        """Follower: the next step's inputs; None when the leader stops the group. Waits as long
-        as the leader is idle; raises TPGroupError when the leader (its store) is gone."""
+    def recv(self) -> StepInputs | bytes | None:
+        """Follower: the next message: a step's inputs, a connector command (its bytes), or None
+        when the leader stops the group. Waits as long as the leader is idle; raises
+        TPGroupError when the leader (its store) is gone."""
         key = _STEP_QUEUE.format(rank=self.rank)
         while True:
             try:
@@ -400,8 +415,12 @@ class TPGroup:
                 raise TPGroupError(f"rank {self.rank} lost its leader: {_first_line(exc)}") from exc
             if msg == _STOP:
                 return None
+            if msg[:1] == _COMMAND_TAG:
+                return msg[1:]
+            if msg[:1] != _STEP_TAG:
+                raise TPGroupError(f"rank {self.rank} got a message of unknown kind {msg[:1]!r}")
             self.num_steps += 1
-            return decode_step(msg)
+            return decode_step(msg[1:])
 
     def close(self) -> None:
         pg, self.pg = self.pg, None

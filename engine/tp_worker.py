@@ -3,8 +3,9 @@ starts them on its own host.
 
 `TPFollower(spec, rank, world, init_method).run()` is one follower: it connects to the group's
 TCPStore (the leader hosts it at `init_method`), loads its shard of the model and allocates
-its KV heads' cache, says it is ready, joins the process group and then runs every step the
-leader hands it until the leader stops the group (or is gone). It needs no scheduler: the
+its KV heads' cache (and builds its end of the engine's KV connector, if any), says it is
+ready, joins the process group and then runs every step (and connector command) the leader
+hands it until the leader stops the group (or is gone). It needs no scheduler: the
 leader's block pool numbers the pages for every rank. Anything that can run a Python call can
 host it: a subprocess (`python -m engine.tp_worker SPEC RANK WORLD INIT_METHOD`, what
 `LocalFollowers` starts for `LLM(..., tensor_parallel_size=N)`), or a Ray actor per rank.
@@ -54,6 +55,10 @@ class ShardSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     vocab_parallel: bool = False
     transport: str = "gloo"  # CPU all-reduces: "gloo" or "socket" (engine/parallel.py)
+    # The engine's KV connector as each follower builds its rank's end of it (None: no
+    # connector): {"factory": "module:callable", "settings": {...}}, from the leader's
+    # connector's follower_config (engine/kv_connector.py); the engine imports no transport
+    kv_connector: dict | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -96,6 +101,7 @@ class TPFollower:
             torch.cuda.set_device(self.device)
         spec = self.spec
         store = connect_store(self.init_method, is_master=False, timeout_s=IDLE_POLL_S)
+        kv = None
         try:
             cfg = ModelConfig.from_pretrained(spec.model_dir)
             self.group = TPGroup(store, self.rank, self.world, self.device, host=self.host, timeout_s=spec.timeout_s,
@@ -105,15 +111,30 @@ class TPFollower:
                 page_size=spec.page_size, num_pages=spec.num_pages, max_model_len=spec.max_model_len,
                 attention_backend=spec.attention_backend, tp=self.group, vocab_parallel=spec.vocab_parallel,
             )
+            if spec.kv_connector is not None:  # this rank's end of the engine's KV connector
+                build = _resolve(spec.kv_connector["factory"])
+                kv = build(spec.kv_connector["settings"], rank=self.rank, host=self.host, kv_caches=runner.kv_caches,
+                           head_start=runner.shard.kv_head_start, num_kv_heads=cfg.num_kv_heads, store=store,
+                           event_store=connect_store(self.init_method, is_master=False, timeout_s=IDLE_POLL_S))
         except Exception as exc:
             store.set(ERROR_KEY.format(rank=self.rank), f"{type(exc).__name__}: {exc}"[:2000])
             raise
         store.set(READY_KEY.format(rank=self.rank), b"ok")
         self.group.connect()
         try:
-            while (inputs := self.group.recv_step()) is not None:
-                runner.follower_step(inputs)
+            while (msg := self.group.recv()) is not None:
+                if isinstance(msg, bytes):  # a KV connector command (kv_transfer/tp_connector.py)
+                    if kv is None:
+                        raise TPGroupError(f"rank {self.rank} got a KV connector command but has no connector")
+                    kv.handle(msg)
+                elif kv is None:
+                    runner.follower_step(msg)
+                else:
+                    with kv.lock:  # the step's sends start in its forward
+                        runner.follower_step(msg, kv.on_layer())
         finally:
+            if kv is not None:
+                kv.close()
             self.group.close()
 
 
@@ -187,6 +208,14 @@ class LocalFollowers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _resolve(path: str):
+    """'package.module:name' -> that object (a connector's follower-side factory)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _die_with_parent() -> None:

@@ -56,8 +56,10 @@ class TransferConnector(KVConnector):
         self._this_step: list[Request] = []       # sends started by this step's schedule
         self._receiving: dict[str, Request] = {}  # descriptor published, KV not taken or failed yet
 
-    def register_kv_caches(self, kv_caches: list) -> None:
-        self.pool = KVPool.from_tensors(kv_caches, self.model_id)
+    def register_kv_caches(self, kv_caches: list, *, head_start: int = 0, num_kv_heads: int | None = None) -> None:
+        """`head_start`, `num_kv_heads`: a tensor-parallel rank's first KV head and the model's
+        total (its caches hold only its own heads)."""
+        self.pool = KVPool.from_tensors(kv_caches, self.model_id, head_start=head_start, num_kv_heads=num_kv_heads)
         send, receive = self._roles
         if send:
             self.sender = create_sender(self.transport, self.pool, self.config, on_release=self._send_released,
@@ -65,6 +67,15 @@ class TransferConnector(KVConnector):
         if receive:
             self.receiver = create_receiver(self.transport, self.pool, self.config, on_release=self._receive_failed,
                                             on_done=self._received, **self._transport_kwargs)
+
+    @property
+    def roles(self) -> tuple[bool, bool]:
+        """(sends, receives)."""
+        return self._roles
+
+    @property
+    def transport_kwargs(self) -> dict:
+        return self._transport_kwargs
 
     @property
     def endpoint(self) -> str:
@@ -84,12 +95,15 @@ class TransferConnector(KVConnector):
                 raise ValueError(f"destination {d.endpoint} expects {d.num_tokens} tokens, the prompt has "
                                  f"{req.num_prompt_tokens}")
 
-    def start_save(self, req: Request) -> str | None:
+    def start_save(self, req: Request, dests: list[DestinationDescriptor] | None = None) -> str | None:
+        """`dests`: where this connector sends (default: all of `req.kv_destinations`; a
+        tensor-parallel rank sends its share)."""
         rid = req.request_id
         with self._lock:
             self._sending[rid] = req  # before start: a failed handshake may release at once
+        dests = list(req.kv_destinations) if dests is None else list(dests)
         try:
-            status = self.sender.start(rid, list(req.kv_destinations), list(req.pages), req.num_prompt_tokens)
+            status = self.sender.start(rid, dests, list(req.pages), req.num_prompt_tokens)
         except Exception as exc:  # a refused start leaves nothing tracked
             with self._lock:
                 self._sending.pop(rid, None)
@@ -183,6 +197,19 @@ class TransferConnector(KVConnector):
 
     def set_wakeup(self, fn: Callable[[], None]) -> None:
         self._wakeup = fn
+
+    @property
+    def saving_this_step(self) -> bool:
+        return bool(self._this_step)
+
+    def is_sending(self, request_id: str) -> bool:
+        """Whether a send of the request still holds its source pages."""
+        with self._lock:
+            return request_id in self._sending
+
+    def is_receiving(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._receiving
 
     @property
     def num_sending(self) -> int:

@@ -1,5 +1,7 @@
 """`PrefillWorker`: an EngineCore with a sending KV connector. It runs each request to its first
-token; the engine's connector sends the prompt's KV to the decode side layer by layer.
+token; the engine's connector sends the prompt's KV to the decode side layer by layer. With
+`tensor_parallel_size=N` (an engine keyword) every rank sends its own KV heads to the decode
+ranks that hold them (a task carries one descriptor per decode rank; kv_transfer/tp_connector.py).
 
 A request's way through the worker:
 
@@ -21,7 +23,7 @@ from engine.core import EngineCore, resolve_model
 from engine.load import WorkerLoad
 from engine.outputs import RequestOutput
 from kv_transfer.config import TransferConfig
-from kv_transfer.connector import TransferConnector
+from kv_transfer.tp_connector import make_connector
 from kv_transfer.descriptor import DestinationDescriptor
 from prefill_worker.types import PrefillResult, PrefillTask
 
@@ -32,8 +34,9 @@ class PrefillWorker:
     def __init__(self, model: str | Path, *, transport: str = "nixl", transfer_config: TransferConfig | None = None,
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
         engine_kwargs.setdefault("detokenize", False)
-        self.connector = TransferConnector(transport, transfer_config, model_id=model_id or resolve_model(model).name,
-                                           send=True, transport_kwargs=transport_kwargs)
+        self.connector = make_connector(transport, transfer_config, model_id=model_id or resolve_model(model).name,
+                                        send=True, transport_kwargs=transport_kwargs,
+                                        tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
         self.core = EngineCore(model, kv_connector=self.connector, **engine_kwargs)
         self.num_prefilled = 0
         self._stops: dict[str, list[str]] = {}  # each request's stop strings: the first token's text honours them

@@ -532,7 +532,9 @@ class Dispatcher:
                 stats.prefill_start = time.monotonic()
             prefill_lost = False
             try:
-                result = await prefill.submit(PrefillTask(rid, prompt, _remaining(req.params, resume), [adm.descriptor]))
+                # every decode rank's descriptor: the prefill worker sends each rank its KV heads
+                task = PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors))
+                result = await prefill.submit(task)
             except ValueError as exc:
                 raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
             except Exception as exc:  # the worker died or its actor is gone: retryable
@@ -605,7 +607,7 @@ class Dispatcher:
         if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
             adm = await _admitted(decode, rid)
         if adm.stage != DecodeStage.LOCAL_PREFILL:
-            result = await prefill.submit(PrefillTask(rid, list(prompt), params, [adm.descriptor]))
+            result = await prefill.submit(PrefillTask(rid, list(prompt), params, list(adm.descriptors)))
             if not result.ok:
                 raise RuntimeError(result.error or "prefill failed")
         async for out in decode.stream(rid):

@@ -13,7 +13,8 @@ batch of prompts of many lengths, page sizes 16 and 1, chunked prefill mixed wit
 KV heads replicated (a 1-KV-head derivative of the tiny llama at TP=2); TP=4 (2 KV heads on 4
 ranks) in the slow suite. Also: a TP that does not divide the heads is refused naming the field
 and the head counts; a follower killed with SIGKILL fails the next steps with an error naming
-it (no hang); close() and garbage collection stop the followers. Both CPU transports (gloo,
+it (no hang); close() and garbage collection stop the followers; a KV connector the followers
+cannot build is refused (TP with a connector: test_tp_disaggregated.py). Both CPU transports (gloo,
 and the socket one) carry the all-reduces of some of these tests.
 """
 from __future__ import annotations
@@ -180,11 +181,19 @@ def test_tp_that_does_not_divide_heads_is_refused(tp, needle, tiny_model):
     assert needle in str(err.value)
 
 
-def test_tp_with_a_kv_connector_is_refused_for_now(tiny_model):
+def test_tp_refuses_a_kv_connector_its_followers_cannot_build(tiny_model):
+    # TP with nixl/grpc connectors: tests/integration/test_tp_disaggregated.py. A connector that
+    # moves only the leader's KV heads is refused; so is the local transport, whose hub lives in
+    # one process (a follower could not reach it).
     from engine import LLM
+    from kv_transfer.connector import TransferConnector
+    from kv_transfer.local import LocalHub
+    from kv_transfer.tp_connector import make_connector
 
-    with pytest.raises(ValueError, match="KV connector"):
-        LLM(tiny_model("llama"), tensor_parallel_size=2, kv_connector=object())
+    with pytest.raises(ValueError, match="moves only the leader's"):
+        LLM(tiny_model("llama"), tensor_parallel_size=2, kv_connector=TransferConnector("grpc", model_id="t", send=True))
+    with pytest.raises(ValueError, match="nixl or grpc"):
+        make_connector("local", model_id="t", send=True, transport_kwargs={"hub": LocalHub()}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tp_transport"):
         LLM(tiny_model("llama"), tensor_parallel_size=2, tp_transport="mpi")
 

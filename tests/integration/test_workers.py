@@ -55,13 +55,13 @@ class Cluster:
         self.requests[rid] = (prompt, p)
         self.tokens[rid] = []
         reply = self.decode.call("admit", request_id=rid, prompt=prompt, params=p)
-        if reply["descriptor"] is not None:
-            self._submit(rid, reply["descriptor"])
+        if reply["descriptors"]:
+            self._submit(rid, reply["descriptors"])
         return reply["stage"]
 
-    def _submit(self, rid: str, descriptor: str) -> None:
+    def _submit(self, rid: str, descriptors: list[str]) -> None:
         prompt, p = self.requests[rid]
-        self.prefill.call("submit", request_id=rid, prompt=prompt, params=p, descriptors=[descriptor])
+        self.prefill.call("submit", request_id=rid, prompt=prompt, params=p, descriptors=descriptors)
 
     def pump(self, until, timeout: float = TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -76,7 +76,7 @@ class Cluster:
                 continue
             rid = ev["request_id"]
             if kind == "admission":
-                self._submit(rid, ev["descriptor"])
+                self._submit(rid, ev["descriptors"])
             elif kind == "first_token":
                 if ev["token"] is not None:
                     self.first[rid] = ev["token"]

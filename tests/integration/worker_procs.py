@@ -70,7 +70,7 @@ class Host:
 
     def cmd_admit(self, request_id, prompt, params):
         adm = self.worker.admit(request_id, prompt, _params(params))
-        return {"stage": adm.stage.name, "descriptor": _b64(adm.descriptor)}
+        return {"stage": adm.stage.name, "descriptors": [_b64(d) for d in adm.descriptors or []]}
 
     def cmd_cancel(self, request_id):
         return {"known": self.worker.cancel(request_id)}
@@ -97,7 +97,7 @@ class Host:
             return
         for o in self.worker.step():
             if not hasattr(o, "new_token_ids"):  # an Admission: a queued request got its pages
-                self.emit(event="admission", request_id=o.request_id, descriptor=_b64(o.descriptor))
+                self.emit(event="admission", request_id=o.request_id, descriptors=[_b64(d) for d in o.descriptors])
                 continue
             self.emit(event="output", request_id=o.request_id, new=o.new_token_ids, source=o.source.value,
                       finished=o.finished, reason=o.finish_reason, error=o.error)

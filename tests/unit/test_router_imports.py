@@ -24,7 +24,7 @@ from engine.load import WorkerLoad
 from engine.outputs import TokenLogprobs
 from prefill_worker.types import PrefillResult
 lp = TokenLogprobs(5, -0.1, 1, [(5, -0.1)])
-for obj in (Admission("r", DecodeStage.WAITING_FOR_KV, b"desc", 2, 4096), PrefillResult("r", 5, 9, first_logprobs=lp),
+for obj in (Admission("r", DecodeStage.WAITING_FOR_KV, [b"desc0", b"desc1"], 2, 4096), PrefillResult("r", 5, 9, first_logprobs=lp),
             DecodeOutput("r", [5], [5], TokenSource.DECODE_WORKER, DecodeStage.DECODING, new_logprobs=[lp]),
             WorkerLoad(free_pages=3, total_pages=4)):
     assert pickle.loads(pickle.dumps(obj)) == obj

@@ -49,9 +49,9 @@ class Driver:
         return adm
 
     def _route(self, adm) -> None:
-        if adm.descriptor is not None:
+        if adm.descriptors:
             prompt, params = self.prompts[adm.request_id]
-            self.prefill.submit(PrefillTask(adm.request_id, prompt, params, [adm.descriptor]))
+            self.prefill.submit(PrefillTask(adm.request_id, prompt, params, adm.descriptors))
 
     def step(self) -> None:
         for r in self.prefill.step():
@@ -144,7 +144,7 @@ def test_local_prefill_below_threshold(tiny_model, make_llm):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     d = Driver(prefill, decode)
     assert d.add("short", short, params).stage == DecodeStage.LOCAL_PREFILL
-    assert d.add("long", long, params).descriptor is not None
+    assert d.add("long", long, params).descriptors is not None
     d.run()
     want = make_llm(model, page_size=16, num_pages=64).generate([short, long], params)
     assert d.ids("short") == want[0].token_ids and d.ids("long") == want[1].token_ids
@@ -190,7 +190,7 @@ def test_cancel_while_transfer_in_flight_fails_sender(tiny_model):
     prompt = random_prompts([100], 256, seed=6)[0]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     adm = decode.admit("x", prompt, params)
-    prefill.submit(PrefillTask("x", prompt, params, [adm.descriptor]))
+    prefill.submit(PrefillTask("x", prompt, params, adm.descriptors))
     sender = prefill.connector.sender
     real_send = sender.send_layer
 
@@ -259,8 +259,8 @@ def test_async_workers_stream_tokens_per_channel(tiny_model, make_llm):
             adm = await dc.call("admit", rid, prompt, params, channel="test")
             if adm.stage == DecodeStage.QUEUED_FOR_PAGES:  # the last one waits for pages
                 adm = await queues[dc, rid].get()
-            assert adm.descriptor is not None
-            await pf.call("submit", PrefillTask(rid, prompt, params, [adm.descriptor]), channel="test")
+            assert adm.descriptors and len(adm.descriptors) == 1
+            await pf.call("submit", PrefillTask(rid, prompt, params, adm.descriptors), channel="test")
             first = await queues[pf, rid].get()
             outs = []
             while not outs or not outs[-1].finished:
@@ -300,7 +300,7 @@ def test_a_worker_waiting_for_kv_sleeps_until_the_connector_wakes_it(tiny_model)
         steps = dc.engine.num_steps
         time.sleep(0.3)  # a polling loop would have stepped (or spun) many times by now
         assert dc.engine.num_steps == steps
-        pf.engine.submit(lambda: prefill.submit(PrefillTask("w", prompt, params, [adm.descriptor]))).result(10)
+        pf.engine.submit(lambda: prefill.submit(PrefillTask("w", prompt, params, adm.descriptors))).result(10)
         assert _settled(pf, dc)
         assert dc.engine.num_steps > steps
         assert not decode.has_requests and prefill.num_prefilled == 1
