@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,9 +70,26 @@ class ShardSpec:
 
 
 def connect_store(init_method: str, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """A client of the group's store at `init_method`, or (`is_master`) the store itself,
+    listening on that host only: TCPStore's own server binds every interface whatever host it is
+    given, so the leader binds the socket and hands it over."""
     host, port = parse_init_method(init_method)
-    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False, timeout=timeout,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the listening socket now
+    return store
 
 
 class TPFollower:

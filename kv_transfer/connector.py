@@ -56,10 +56,13 @@ class TransferConnector(KVConnector):
         self._this_step: list[Request] = []       # sends started by this step's schedule
         self._receiving: dict[str, Request] = {}  # descriptor published, KV not taken or failed yet
 
-    def register_kv_caches(self, kv_caches: list, *, head_start: int = 0, num_kv_heads: int | None = None) -> None:
-        """`head_start`, `num_kv_heads`: a tensor-parallel rank's first KV head and the model's
-        total (its caches hold only its own heads)."""
-        self.pool = KVPool.from_tensors(kv_caches, self.model_id, head_start=head_start, num_kv_heads=num_kv_heads)
+    def register_kv_caches(self, kv_caches: list, *, head_start: int = 0, num_kv_heads: int | None = None,
+                           tp_size: int = 1, tp_rank: int = 0) -> None:
+        """`head_start`, `num_kv_heads`, `tp_size`, `tp_rank`: a tensor-parallel rank's first KV
+        head, the model's total (its caches hold only its own heads) and its place in the group
+        (the handshake checks the heads are that rank's)."""
+        self.pool = KVPool.from_tensors(kv_caches, self.model_id, head_start=head_start, num_kv_heads=num_kv_heads,
+                                        tp_size=tp_size, tp_rank=tp_rank)
         send, receive = self._roles
         if send:
             self.sender = create_sender(self.transport, self.pool, self.config, on_release=self._send_released,

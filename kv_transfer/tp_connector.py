@@ -111,7 +111,7 @@ def make_connector(transport: str, config: TransferConfig | None = None, *, mode
     engine (nothing added at tensor_parallel_size 1)."""
     conn = TransferConnector(transport, config, model_id=model_id, send=send, receive=receive,
                              transport_kwargs=transport_kwargs)
-    return TPConnector(conn) if tensor_parallel_size > 1 else conn
+    return TPConnector(conn, tensor_parallel_size) if tensor_parallel_size > 1 else conn
 
 
 class TPConnector(KVConnector):
@@ -122,14 +122,14 @@ class TPConnector(KVConnector):
 
     tensor_parallel = True
 
-    def __init__(self, rank0: TransferConnector) -> None:
+    def __init__(self, rank0: TransferConnector, tensor_parallel_size: int) -> None:
         if rank0.transport == "local" or rank0.transport_kwargs:
             raise ValueError(f"tensor_parallel_size > 1 needs a transport every rank's process can build from its "
                              f"settings (nixl or grpc); {rank0.transport!r} with transport_kwargs cannot reach "
                              f"follower processes")
         self.rank0 = rank0
         self.group = None
-        self.world = 1
+        self.world = tensor_parallel_size  # join_group checks the group's size against it
         self.layouts: tuple = ()
         self._tids = itertools.count(1)
         self._transfers: dict[str, _Transfer] = {}  # by request id (rank 0's events carry the Request)
@@ -159,11 +159,15 @@ class TPConnector(KVConnector):
         send, receive = c.roles
         return {"factory": f"{__name__}:FollowerKV",
                 "settings": {"transport": c.transport, "model_id": c.model_id, "send": send, "receive": receive,
+                             "tp_size": self.world,
                              "config": config_to_json(c.config), "has_secret": bool(c.config.secret)}}
 
     def join_group(self, group, shard, num_kv_heads: int) -> None:
         """The leader's TPGroup (connected) and rank 0's shard; starts the listener and watchdog."""
-        self.group, self.world, self.shard, self.num_kv_heads = group, group.world, shard, num_kv_heads
+        if group.world != self.world:
+            raise ValueError(f"this connector was made for tensor_parallel_size={self.world}, the engine's group has "
+                             f"{group.world} ranks")
+        self.group, self.shard, self.num_kv_heads = group, shard, num_kv_heads
         from engine.tp_worker import connect_store
 
         listener_store = connect_store(f"tcp://{group.host}:{group.store.port}", is_master=False,
@@ -175,7 +179,8 @@ class TPConnector(KVConnector):
             self._threads.append(t)
 
     def register_kv_caches(self, kv_caches: list) -> None:
-        self.rank0.register_kv_caches(kv_caches, head_start=self.shard.kv_head_start, num_kv_heads=self.num_kv_heads)
+        self.rank0.register_kv_caches(kv_caches, head_start=self.shard.kv_head_start, num_kv_heads=self.num_kv_heads,
+                                      tp_size=self.world, tp_rank=0)
         lay = self.rank0.pool.layout
         self.layouts = tuple(group_layouts(self.num_kv_heads, self.world, num_layers=lay.num_layers,
                                            page_size=lay.page_size, head_dim=lay.head_dim, dtype=lay.dtype))
@@ -497,7 +502,8 @@ class FollowerKV:
         self.rank = rank
         self.conn = TransferConnector(settings["transport"], config, model_id=settings["model_id"],
                                       send=settings["send"], receive=settings["receive"])
-        self.conn.register_kv_caches(kv_caches, head_start=head_start, num_kv_heads=num_kv_heads)
+        self.conn.register_kv_caches(kv_caches, head_start=head_start, num_kv_heads=num_kv_heads,
+                                     tp_size=settings["tp_size"], tp_rank=rank)
         self.lock = threading.Lock()
         self._store = event_store  # this rank's own connection for its events
         self._push_lock = threading.Lock()
