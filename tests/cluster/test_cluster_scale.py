@@ -177,7 +177,8 @@ def test_scale_colocated_pool_out_and_in_under_streams(tiny_model, make_llm):
 
     cfg = scale_config("colocated", ["--decode", "1"])
     model = tiny_model("llama")
-    c = Cluster(cfg, drain_grace_s=0.3)
+    events: list[str] = []
+    c = Cluster(cfg, drain_grace_s=0.3, on_event=events.append)
     c.start()
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(c.router_address))
@@ -189,8 +190,10 @@ def test_scale_colocated_pool_out_and_in_under_streams(tiny_model, make_llm):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_ in e.value.details(), e.value
         figures = scale_out_in(c, "colocated", ("colocated-0", "colocated-1"), make_llm, model)
         print("figures:", figures)
+        print("\n".join(events))
         # a 0.3 s grace: the victim's streams (500 tokens each) moved to the other worker
         assert figures["moved"] > 0, figures
+        assert any(f"worker {figures['victim']} removed" in e and "moved" in e for e in events), events
     finally:
         c.stop()
     assert not our_ray_processes(), "Ray processes left after stop"
