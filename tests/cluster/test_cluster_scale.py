@@ -228,3 +228,45 @@ def test_scale_decode_pool_disaggregated_with_api_key(tiny_model, make_llm):
     finally:
         c.stop()
     assert not our_ray_processes(), "Ray processes left after stop"
+
+
+@pytest.mark.slow
+def test_scale_out_beyond_resources_is_reported_and_retried_with_backoff(tiny_model):
+    """A local cluster started with no room for more workers (scale_headroom 0): the new
+    worker's placement group waits for resources, fails after start_timeout_s and is reported
+    (pool error, start_failures, the worker `failed`), then retried after a back-off (1 s, then
+    2 s), not in a loop; setting the target back to 1 stops the tries."""
+    from cluster.runtime import Cluster
+
+    cfg = scale_config("colocated", ["--decode", "1"])
+    tiny_model("llama")
+    events: list[str] = []
+    c = Cluster(cfg, scale_headroom=0, start_timeout_s=2.0, on_event=events.append)
+    c.start()
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(c.router_address))
+
+        def pool():
+            return pool_of(stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10), "colocated")
+        stub.Scale(pb.ScaleRequest(pool="colocated", replicas=2), timeout=10)
+        p = wait_until(lambda: (lambda p: p if p.start_failures >= 1 else None)(pool()), 60, 0.05, "a failed start")
+        assert p.current_replicas == 1 and "failed to start" in p.error and "next try in 1 s" in p.error, p
+        st = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+        failed = [w for w in st.workers if w.state == "failed"]
+        assert failed and "GetTimeoutError" in failed[0].error, st.workers
+        assert [w.worker_id for w in st.workers if w.state == "serving"] == ["colocated-0"], st.workers
+        p = wait_until(lambda: (lambda p: p if p.start_failures >= 2 else None)(pool()), 60, 0.05, "a second try")
+        assert "next try in 2 s" in p.error, p
+        stub.Scale(pb.ScaleRequest(pool="colocated", replicas=1), timeout=10)
+        p = wait_until(lambda: (lambda p: p if p.target_replicas == 1 else None)(pool()), 10, 0.05, "target 1")
+        wait_until(lambda: all(w.state not in ("starting", "warming") for w in stub.ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=10).workers), 30, 0.05, "no worker starting")
+        tries = sum("failed to start" in e for e in events)
+        assert 2 <= tries <= 3, events
+        # settled at its target: no further tries (an absence, seen only by waiting past the back-off)
+        threading.Event().wait(3.0)
+        assert sum("failed to start" in e for e in events) == tries, events
+        assert pool().current_replicas == 1
+    finally:
+        c.stop()
+    assert not our_ray_processes(), "Ray processes left after stop"
