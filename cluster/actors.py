@@ -279,7 +279,7 @@ class RouterActor:
     cancelled, their pages freed) before serving again on the ports it is given."""
 
     def __init__(self, config, prefills: list[tuple[str, str, object]], decodes: list[tuple[str, str, str, object]],
-                 index: int = 0) -> None:
+                 index: int = 0, max_replicas: int = 16) -> None:
         import uuid
 
         gc_pauses()  # time this process's garbage collections from the start
@@ -290,6 +290,11 @@ class RouterActor:
         self.incarnation = uuid.uuid4().hex[:8]
         self.server = None
         self.retired = 0  # requests of earlier incarnations this one cancelled on the workers
+        from router.service import PoolTargets
+
+        # Scale's targets (router.service.PoolTargets): recorded here, reconciled by the driver
+        self.pool_targets = PoolTargets({p.name: p.role for p in config.pools},
+                                        {p.name: p.replicas for p in config.pools}, max_replicas)
         _attach_request_log(config.router.request_log, self.identity)
 
     def ports(self) -> tuple[int, int | None, int | None]:
@@ -330,6 +335,7 @@ class RouterActor:
                                                           r.http_body_timeout_s, r.http_keep_alive_s,
                                                           r.http_max_connections))
         self.server.metrics_port = metrics_port
+        self.server.service.pool_targets = self.pool_targets
         address = await self.server.start()
         freeze_startup_heap()
         return address
@@ -361,7 +367,45 @@ class RouterActor:
         """What the cluster's supervisor watches: this process, its incarnation and whether it serves."""
         return {"pid": os.getpid(), "incarnation": self.incarnation, "started": self.server is not None,
                 "serving": self.serving(), "address": self.server.address if self.server is not None else "",
-                "retired": self.retired}
+                "retired": self.retired, "scale": dict(self.pool_targets.requests)}
+
+    # ---- resizing pools: the driver's scaler (cluster.runtime) calls these ----------------------
+    def set_workers(self, prefills: list, decodes: list) -> None:
+        """The workers to serve, before start() (a restarted router gets the pools as they are
+        now, not as its constructor's arguments had them)."""
+        self.prefills, self.decodes = list(prefills), list(decodes)
+
+    def scale_status(self, status: dict) -> None:
+        """What the driver did about the targets (router.service.PoolTargets.status)."""
+        self.pool_targets.status = status
+
+    async def add_worker(self, wid: str, pool: str, role: str, actor, timeout_s: float = 120.0) -> float:
+        """Warm a new worker up and place on it (router.dispatch.Dispatcher.add_worker); the
+        seconds the warm-up took."""
+        from router.handles import WorkerHandle
+
+        if self.server is None:
+            raise RuntimeError(f"{self.identity} is not serving")
+        handle = WorkerHandle(RayActor(actor), wid, pool, role, f"{self.identity}/{self.incarnation}")
+        took = await self.server.service.dispatcher.add_worker(handle, timeout_s)
+        if role == "prefill":
+            self.prefills.append((wid, pool, actor))
+        else:
+            self.decodes.append((wid, pool, role, actor))
+        return took
+
+    async def retire_worker(self, wid: str, grace_s: float) -> dict:
+        """Drain a worker being removed (router.dispatch.Dispatcher.retire_worker)."""
+        if self.server is None or wid not in self.server.service.dispatcher.views:
+            return {"finished": 0, "moved": 0, "seconds": 0.0}
+        return await self.server.service.dispatcher.retire_worker(wid, grace_s)
+
+    async def remove_worker(self, wid: str) -> None:
+        """Forget a drained (or never added) worker."""
+        self.prefills = [p for p in self.prefills if p[0] != wid]
+        self.decodes = [d for d in self.decodes if d[0] != wid]
+        if self.server is not None:
+            await self.server.service.dispatcher.remove_worker(wid)
 
     def http_url(self) -> str:
         """http://host:port of the OpenAI-compatible API (its routes under /v1), or "" when off."""

@@ -13,6 +13,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     (None, "serve"): ("cluster.serve", "start the cluster (router + prefill/decode pools on Ray) and serve gRPC"),
     (None, "generate"): ("cluster.generate", "stream one answer from a running cluster"),
     (None, "status"): ("cluster.status", "pools, workers, load and KV usage of a running cluster"),
+    (None, "scale"): ("cluster.scale", "resize a pool of a running cluster: workers start, or drain and stop"),
     (None, "drain"): ("cluster.drain", "take a running router out of service: running requests finish, new ones are refused"),
     ("model", "make-tiny"): ("engine.builtin.cli", "write a deterministic built-in HF checkpoint"),
     ("model", "import-gguf"): ("engine.gguf_import", "a GGUF file into an HF checkpoint folder (float safetensors)"),

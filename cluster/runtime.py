@@ -41,6 +41,12 @@ class WorkerRecord:
     pool: str
     role: str
     actor: object
+    state: str = "serving"     # starting, warming, serving, draining (scale-in), failed, stopped
+    spare: bool = False        # a hot spare (started past the pool's replicas): never scaled in
+    pg: object = None          # its placement group and bundle
+    bundle: int = 0
+    own_pg: bool = False       # the group is this worker's alone (added by a scale-out, or a TP group)
+    error: str = ""
 
 
 @dataclass(slots=True)
@@ -55,6 +61,7 @@ class RouterRecord:
     lost_at: float | None = None         # monotonic time of its last answer before a loss; None while serving
     last_answer: float = 0.0             # monotonic time of its last answer to the supervisor
     restarts: int = 0
+    pushed: int = -1                     # the scale status (Cluster._status_seq) it was last told
 
 
 @dataclass
@@ -70,6 +77,22 @@ class Cluster:
     watch_interval_s: float = 0.5
     on_event: Callable[[str], None] | None = None  # told of a router's loss, return or failure (one line each)
     failure: str = ""                   # why a router cannot come back; "" while all can
+    # resizing pools at run time (the Scale RPC; see _reconcile)
+    max_replicas: int = 16              # the largest target a pool accepts
+    scale_headroom: int = 1             # a local Ray gets resources for this many more workers per pool
+    drain_grace_s: float = 30.0         # a scale-in's streams finish within this, then move elsewhere
+    start_timeout_s: float = 300.0      # a scale-out's worker built and ready within this, else it failed
+    targets: dict = field(default_factory=dict)       # pool -> target serving workers
+    _target_stamp: dict = field(default_factory=dict)  # pool -> time.time() of the Scale call it came from
+    _next_index: dict = field(default_factory=dict)    # pool -> the index of its next new worker
+    _free_bundles: dict = field(default_factory=dict)  # pool -> [(pg, bundle)] left by scaled-in workers
+    _start_failures: dict = field(default_factory=dict)
+    _pool_error: dict = field(default_factory=dict)
+    _retry_at: dict = field(default_factory=dict)      # pool -> monotonic time of its next start try
+    _stopped: list = field(default_factory=list)       # the last workers scaled in (status: "stopped")
+    _status_seq: int = 0                               # bumped on every change the routers must be told
+    _scaler: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _watcher: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
     _pgs: list = field(default_factory=list)
@@ -97,7 +120,8 @@ class Cluster:
         check_model_fit(cfg)  # a tensor_parallel_size that does not divide the heads: before anything starts
         if self.address is None:
             def ranks(p: PoolConfig) -> int:
-                return (p.replicas + p.spare_replicas) * p.engine.tensor_parallel_size
+                # room for scale_headroom more workers of each pool (a Scale beyond waits for resources)
+                return (p.replicas + p.spare_replicas + self.scale_headroom) * p.engine.tensor_parallel_size
             need_cpus = (sum(p.resources.num_cpus * ranks(p) for p in cfg.pools)
                          + cfg.router.num_cpus * cfg.router.replicas)
             custom: dict[str, float] = {}
@@ -129,6 +153,7 @@ class Cluster:
                     for i in range(n):
                         self.workers.append(self._start_worker(pool, i, pg, i, local,
                                                                PlacementGroupSchedulingStrategy))
+                    self._pool_started(pool, n)
                     continue
                 for i in range(n):  # a tensor-parallel worker: its own group, one bundle per rank, rank 0 in bundle 0
                     pg = placement_group([dict(bundle) for _ in range(tp)], strategy=pool.resources.tp_placement,
@@ -136,6 +161,8 @@ class Cluster:
                     self._pgs.append(pg)
                     ray.get(pg.ready(), timeout=max(deadline - time.monotonic(), 1))
                     self.workers.append(self._start_worker(pool, i, pg, 0, local, PlacementGroupSchedulingStrategy))
+                    self.workers[-1].own_pg = True
+                self._pool_started(pool, n)
             self._await_ready(deadline)
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
@@ -147,7 +174,7 @@ class Cluster:
                 actor = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name=f"pdcluster-{name}",
                                                         max_concurrency=10000, scheduling_strategy=here,
                                                         max_restarts=cfg.router.max_restarts).remote(
-                    cfg, prefills, decodes, i)
+                    cfg, prefills, decodes, i, self.max_replicas)
                 self.routers.append(RouterRecord(name, actor))
             for r in self.routers:
                 # one after another: each router's warm-up runs requests named after the worker pair
@@ -166,6 +193,9 @@ class Cluster:
             self.router_address, self.metrics_url, self.http_url = first.address, first.metrics_url, first.http_url
             self._watcher = threading.Thread(target=self._watch, name="pdcluster-router-watch", daemon=True)
             self._watcher.start()
+            self._push_status()
+            self._scaler = threading.Thread(target=self._scale_loop, name="pdcluster-scaler", daemon=True)
+            self._scaler.start()
         except BaseException:
             self.stop()
             raise
@@ -240,11 +270,14 @@ class Cluster:
             return
         if info["pid"] != r.pid:
             self._lost(r, "its process is gone")
+        self._adopt(info.get("scale") or {})
         if r.lost_at is None:
             r.last_answer = asked
             return
         if not info["started"]:
             try:
+                # the pools as they are now (scaled since the router's constructor was given them)
+                ray.get(r.actor.set_workers.remote(*self._worker_lists()), timeout=10)
                 ray.get(r.actor.start.remote(r.ports), timeout=max(self.router_return_timeout_s, 1))
             except Exception as exc:
                 log.warning("%s: start after its loss failed: %s: %s", r.name, type(exc).__name__, _first_line(exc))
@@ -256,6 +289,7 @@ class Cluster:
             r.lost_at = None
             r.restarts += 1
             retired = ray.get(r.actor.info.remote(), timeout=10)["retired"]
+            r.pushed = -1  # a new process: tell it the pools' status again
             self._say(f"{r.name} back: serving on {r.address} again (pid {r.pid}), {took:.1f} s after the last "
                       f"answer of its lost process; {retired} request(s) of its predecessor cancelled on the workers")
         else:
@@ -273,6 +307,240 @@ class Cluster:
     def _fail(self, r: RouterRecord, why: str) -> None:
         self.failure = f"{r.name} (last on {r.address}) cannot come back: {why}"
         self._say(self.failure, logging.ERROR)
+
+    # ---- resizing pools: the scaler --------------------------------------------------------------
+    def _pool_started(self, pool: PoolConfig, n: int) -> None:
+        """The pool's first workers are up: the non-spare ones serve, the rest are hot spares."""
+        for w in self.workers[-n:]:
+            w.spare = int(w.worker_id.rsplit("-", 1)[1]) >= pool.replicas
+        self.targets[pool.name] = pool.replicas
+        self._next_index[pool.name] = n
+
+    def scale(self, pool: str, replicas: int) -> None:
+        """Set a pool's target in this process (what the Scale RPC does through a router)."""
+        if pool not in self.targets or not 1 <= replicas <= self.max_replicas:
+            raise ValueError(f"pool must be one of {sorted(self.targets)} and replicas in [1, {self.max_replicas}], "
+                             f"got {pool!r}, {replicas}")
+        self._adopt({pool: (time.time(), replicas)})
+
+    def _adopt(self, requests: dict) -> None:
+        """Targets a router recorded (pool -> (time of the Scale call, replicas)): the newest wins."""
+        with self._lock:
+            for pool, (stamp, replicas) in requests.items():
+                if pool in self.targets and stamp > self._target_stamp.get(pool, 0.0):
+                    self._target_stamp[pool] = stamp
+                    if self.targets[pool] != replicas:
+                        self._say(f"pool {pool}: target {self.targets[pool]} -> {replicas} replicas", logging.INFO)
+                        self.targets[pool] = replicas
+                        self._retry_at.pop(pool, None)
+                    self._status_seq += 1
+
+    def _members(self, pool: str) -> list[WorkerRecord]:
+        """The pool's workers that count toward its replicas: neither spares nor leaving."""
+        return [w for w in self.workers if w.pool == pool and not w.spare and w.state in ("starting", "warming",
+                                                                                             "serving")]
+
+    def _scale_loop(self) -> None:
+        while not self._stopping.wait(self.watch_interval_s):
+            try:
+                self._reconcile()
+                self._push_status()
+            except Exception as exc:  # the scaler never dies of one odd answer
+                log.warning("scaler: %s: %s", type(exc).__name__, _first_line(exc))
+
+    def _reconcile(self) -> None:
+        """One step toward every pool's target: start one worker, or remove one."""
+        for pool in self.config.pools:
+            if self._stopping.is_set() or self.failure:
+                return
+            have, want = len(self._members(pool.name)), self.targets.get(pool.name, pool.replicas)
+            if have < want and time.monotonic() >= self._retry_at.get(pool.name, 0.0):
+                self._scale_out(pool)
+            elif have > want:
+                self._scale_in(pool)
+
+    def _worker_lists(self) -> tuple[list, list]:
+        """(prefills, decodes) as RouterActor takes them: the workers every router has."""
+        live = [w for w in self.workers if w.state in ("serving", "draining") or (w.spare and w.state == "serving")]
+        return ([(w.worker_id, w.pool, w.actor) for w in live if w.role == "prefill"],
+                [(w.worker_id, w.pool, w.role, w.actor) for w in live if w.role != "prefill"])
+
+    def _scale_out(self, pool: PoolConfig) -> None:
+        """Start one worker of `pool` (its placement as at start-up), wait until it is built, then
+        have every router warm it up and place on it. A failure is reported (status, log) and the
+        pool's next try waits (1, 2, 4, ... 60 s)."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        index = self._next_index[pool.name]
+        self._next_index[pool.name] = index + 1
+        tp = pool.engine.tensor_parallel_size
+        free = self._free_bundles.get(pool.name, [])
+        t0 = time.monotonic()
+        pg, own, started = None, False, 0.0
+        record = WorkerRecord(f"{pool.name}-{index}", pool.name, pool.role, None, state="starting")
+        with self._lock:
+            self.workers.append(record)
+            self._status_seq += 1
+        self._push_status()
+        try:
+            if tp == 1 and free:  # a bundle a scaled-in worker left in the pool's group
+                pg, bundle = free.pop()
+                own = False
+            else:
+                bundles = [dict(pool.resources.bundle() or {"CPU": 0.001}) for _ in range(tp)]
+                pg = placement_group(bundles, strategy=pool.resources.tp_placement if tp > 1
+                                     else pool.placement_strategy, name=f"pdcluster-{pool.name}-{index}")
+                bundle, own = 0, True
+            record.pg, record.bundle, record.own_pg = pg, bundle, own
+            ray.get(pg.ready(), timeout=self.start_timeout_s)
+            built = self._start_worker(pool, index, pg, bundle, self.address is None, PlacementGroupSchedulingStrategy)
+            record.actor = built.actor
+            ray.get(record.actor.ready.remote(), timeout=max(self.start_timeout_s - (time.monotonic() - t0), 1))
+            started = time.monotonic() - t0
+            record.state = "warming"
+            self._status_seq += 1
+            self._push_status()
+            warm = 0.0
+            for r in self.routers:  # one after another, as at start-up (warm-up request ids per pair)
+                warm = max(warm, ray.get(r.actor.add_worker.remote(record.worker_id, pool.name, pool.role,
+                                                                   record.actor), timeout=180))
+        except Exception as exc:
+            fails = self._start_failures.get(pool.name, 0) + 1
+            self._start_failures[pool.name] = fails
+            wait = min(2.0 ** (fails - 1), 60.0)
+            self._retry_at[pool.name] = time.monotonic() + wait
+            why = f"{type(exc).__name__}: {_cause(exc)}"
+            self._pool_error[pool.name] = f"worker {record.worker_id} failed to start ({why}); next try in {wait:g} s"
+            self._say(f"pool {pool.name}: scale-out: {self._pool_error[pool.name]}")
+            for r in self.routers:
+                try:
+                    ray.get(r.actor.remove_worker.remote(record.worker_id), timeout=10)
+                except Exception:
+                    pass
+            if record.actor is not None:
+                try:
+                    ray.kill(record.actor)
+                except Exception:
+                    pass
+            if own and pg is not None:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    pass
+            elif record.pg is not None:
+                free.append((record.pg, record.bundle))
+                self._free_bundles[pool.name] = free
+            record.state, record.error = "failed", why[:300]
+            with self._lock:
+                self.workers.remove(record)
+                self._stopped = (self._stopped + [record])[-8:]
+                self._status_seq += 1
+            return
+        record.state = "serving"
+        self._start_failures[pool.name] = 0
+        self._pool_error[pool.name] = ""
+        self._status_seq += 1
+        self._say(f"pool {pool.name}: worker {record.worker_id} serving, {time.monotonic() - t0:.1f} s after the "
+                  f"scale-out began (built and ready in {started:.1f} s, warm-up {warm:.2f} s)", logging.INFO)
+
+    def _scale_in(self, pool: PoolConfig) -> None:
+        """Remove the least loaded worker of `pool`: out of every router's placement, its streams
+        finish (or move after drain_grace_s), its pages free, then its actor stops."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        members = [w for w in self._members(pool.name) if w.state == "serving"]
+        if not members:
+            return
+
+        def busy(w: WorkerRecord) -> tuple:
+            try:
+                ld = ray.get(w.actor.load.remote(), timeout=5)
+                return (ld.running_requests + ld.waiting_requests + ld.transferring_requests,)
+            except Exception:  # no answer: the least useful worker to keep
+                return (-1,)
+        loads = {w.worker_id: busy(w) for w in members}
+        # the least loaded; among equals the newest (highest index)
+        victim = min(members, key=lambda w: (loads[w.worker_id][0], -int(w.worker_id.rsplit("-", 1)[1])))
+        t0 = time.monotonic()
+        victim.state = "draining"
+        self._status_seq += 1
+        self._push_status()
+        refs = [r.actor.retire_worker.remote(victim.worker_id, self.drain_grace_s) for r in self.routers]
+        finished = moved = 0
+        for r, ref in zip(self.routers, refs):
+            try:
+                got = ray.get(ref, timeout=self.drain_grace_s + 60)
+                finished, moved = finished + got["finished"], moved + got["moved"]
+            except Exception as exc:
+                log.warning("%s: drain of %s: %s", r.name, victim.worker_id, _first_line(exc))
+        drained = time.monotonic() - t0
+        free = total = 0
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # the cancels of moved requests land between the worker's steps
+            try:
+                ld = ray.get(victim.actor.load.remote(), timeout=5)
+                free, total = ld.free_pages, ld.total_pages
+                if free == total and ld.running_requests + ld.waiting_requests == 0:
+                    break
+            except Exception:
+                break
+            time.sleep(0.05)
+        for r in self.routers:
+            try:
+                ray.get(r.actor.remove_worker.remote(victim.worker_id), timeout=10)
+            except Exception as exc:
+                log.warning("%s: removing %s: %s", r.name, victim.worker_id, _first_line(exc))
+        try:
+            ray.get(victim.actor.close.remote(), timeout=20)
+        except Exception as exc:
+            log.warning("close of %s: %s", victim.worker_id, _first_line(exc))
+        ray.kill(victim.actor)
+        if victim.own_pg:
+            try:
+                remove_placement_group(victim.pg)
+            except Exception:
+                pass
+            if victim.pg in self._pgs:
+                self._pgs.remove(victim.pg)
+        else:
+            self._free_bundles.setdefault(pool.name, []).append((victim.pg, victim.bundle))
+        victim.state, victim.error = "stopped", f"scaled in: pages {free}/{total} free when it stopped"
+        with self._lock:
+            self.workers.remove(victim)
+            self._stopped = (self._stopped + [victim])[-8:]
+            self._status_seq += 1
+        self._say(f"pool {pool.name}: worker {victim.worker_id} removed: drained in {drained:.2f} s ({finished} "
+                  f"request(s) finished on it, {moved} moved), pages {free}/{total} free, stopped after "
+                  f"{time.monotonic() - t0:.2f} s", logging.INFO)
+
+    def scale_status(self) -> dict:
+        """What the routers show in ClusterStatus (router.service.PoolTargets.status)."""
+        with self._lock:
+            pools = {p.name: {"target": self.targets.get(p.name, p.replicas),
+                              "stamp": self._target_stamp.get(p.name, 0.0),
+                              "current": sum(1 for w in self.workers if w.pool == p.name and not w.spare
+                                             and w.state == "serving"),
+                              "start_failures": self._start_failures.get(p.name, 0),
+                              "error": self._pool_error.get(p.name, "")} for p in self.config.pools}
+            workers = [{"worker_id": w.worker_id, "pool": w.pool, "role": w.role, "state": w.state, "error": w.error}
+                       for w in [*self._stopped, *self.workers] if w.state != "serving"]
+        return {"pools": pools, "workers": workers}
+
+    def _push_status(self) -> None:
+        import ray
+
+        seq, status = self._status_seq, self.scale_status()
+        for r in self.routers:
+            if r.pushed == seq or r.lost_at is not None:
+                continue
+            try:
+                ray.get(r.actor.scale_status.remote(status), timeout=5)
+                r.pushed = seq
+            except Exception as exc:
+                log.warning("%s: scale status: %s", r.name, _first_line(exc))
 
     def _await_ready(self, deadline: float) -> None:
         """Every worker built and its engine thread running; a worker that could not start (an
@@ -321,9 +589,10 @@ class Cluster:
         from ray.util.placement_group import remove_placement_group
 
         self._stopping.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=30)
-        self._watcher = None
+        for t in (self._watcher, self._scaler):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=60)
+        self._watcher = self._scaler = None
         stops = [r.actor.stop.remote(grace_s) for r in self.routers]
         for r, ref in zip(self.routers, stops):
             try:
@@ -335,6 +604,8 @@ class Cluster:
         self.routers.clear()
         closes = []
         for w in self.workers:
+            if w.actor is None:  # a scale-out's worker not built yet
+                continue
             try:
                 closes.append(w.actor.close.remote())
             except Exception:
@@ -344,7 +615,10 @@ class Cluster:
         except Exception as exc:
             log.warning("worker close: %s", exc)
         for w in self.workers:
-            ray.kill(w.actor)
+            if w.actor is not None:
+                ray.kill(w.actor)
+            if w.own_pg and w.pg is not None and w.pg not in self._pgs:
+                self._pgs.append(w.pg)
         self.workers.clear()
         for pg in self._pgs:
             try:

@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(f"router {args.address}: policy {st.policy}, {st.inflight_requests}/{st.max_inflight} in flight, "
           f"{st.queued_requests}/{st.max_queue} queued, {st.requests_served} served, {st.requests_failed} failed")
+    for p in st.pools:  # each pool's target (Scale) and serving workers now
+        print(f"pool {p.name} ({p.role}): {p.current_replicas}/{p.target_replicas} serving (max {p.max_replicas})"
+              + (f"; {p.start_failures} failed start(s): {_one_line(p.error)}" if p.error else ""))
     print(f"{'worker':<16}{'role':<10}{'state':<10}{'ok':<4}{'pid':>8}  {'node':<16}{'tp':>3}{'threads':>8}"
           f"{'restarts':>9}{'KV used':>15}"
           f"{'running':>8}{'waiting':>8}{'queued tok':>11}{'tok/s':>8}{'prefix hit':>11}{'placed':>7}")

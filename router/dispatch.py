@@ -173,6 +173,7 @@ class Dispatcher:
         self._answered: dict[str, float] = {}           # when each worker's load last answered
         self._warming: dict[str, asyncio.Task] = {}     # restarted workers being warmed up
         self._silent_since: dict[str, float] = {}       # unresponsive workers: since when they answer nothing
+        self._retiring: set[str] = set()                # workers being drained for removal (scale-in)
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
@@ -181,7 +182,9 @@ class Dispatcher:
         worker is mid-step; see the module docstring). Answers are taken the moment they come
         (`_answer`), so a replaced or woken worker is warmed up without waiting for a refresh."""
         async def one(wid: str, handle) -> None:
-            view = self.views[wid]
+            view = self.views.get(wid)
+            if view is None or wid in self._retiring:  # removed (scale-in) since the refresh began, or leaving
+                return
             lost = handle.take_lost()
             if lost is not None and view.state not in ("dead", "replacing"):  # its output stream failed
                 self._out(view, "replacing", f"lost: {type(lost).__name__}: {_first_line(lost)}")
@@ -194,6 +197,8 @@ class Dispatcher:
             # judged the moment its worker_timeout_s runs out, whatever timeout_s is
             wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
             await asyncio.wait((call,), timeout=wait)
+            if wid not in self.views:
+                return
             silent = time.monotonic() - self._heard(wid)
             if not call.done() and silent >= self.worker_timeout_s and view.state in _WATCHED:
                 self._unresponsive(wid, silent)
@@ -205,9 +210,15 @@ class Dispatcher:
         """A worker's load call completed: its load, or why it is out of placement."""
         if self._load_calls.get(wid) is call:
             del self._load_calls[wid]
-        if call.cancelled():  # the router is stopping
+        if call.cancelled() or wid not in self.views:  # the router is stopping, or the worker was removed
             return
         view, exc = self.views[wid], call.exception()
+        if wid in self._retiring or view.state == "warming":  # being added or removed: its state is the scaler's
+            if exc is None:
+                self._answered[wid] = time.monotonic()
+                view.load = call.result()
+                view.pid, view.node = view.load.pid, view.load.node
+            return
         if exc is None:
             self._answered[wid] = time.monotonic()
             self._loaded(wid, view, call.result())
@@ -234,7 +245,9 @@ class Dispatcher:
 
     def _lost(self, wid: str, exc: BaseException) -> None:
         """Its output stream failed (its process is gone): out of placement at once."""
-        view = self.views[wid]
+        view = self.views.get(wid)
+        if view is None or wid in self._retiring:  # removed, or being removed: it stays out of placement
+            return
         if view.state not in ("dead", "replacing"):
             self._out(view, "replacing", f"lost: {type(exc).__name__}: {_first_line(exc)}")
 
@@ -615,6 +628,101 @@ class Dispatcher:
                 if out.finish_reason in ("error", "abort"):
                     raise RuntimeError(f"decode ended with {out.finish_reason}: {out.error or 'no detail'}")
                 return
+
+    # ---- resizing pools at run time (cluster.runtime's scaler drives these) -------------------
+    async def add_worker(self, handle: WorkerHandle, timeout_s: float = 120.0) -> float:
+        """Take a new worker into placement: state `warming` (out of placement) while its first
+        load answers and one request runs through each of its pairs (a decode worker with every
+        serving prefill worker, a prefill worker with every serving decode worker, a colocated
+        worker by itself), then `serving`, the pool's serving target one larger. Returns the
+        seconds the warm-up took; raises (the worker stays out of placement) when it fails."""
+        wid = handle.worker_id
+        if wid in self.views:
+            raise ValueError(f"worker {wid} is already known to this router")
+        view = WorkerView(wid, handle.pool, handle.role, healthy=False, state="warming")
+        self.views[wid] = view
+        self.handles[wid] = handle
+        (self.prefills if handle.role == "prefill" else self.decodes)[wid] = handle
+        handle.on_lost = lambda exc, wid=wid: self._lost(wid, exc)
+        self.serving_target.setdefault(handle.pool, 0)
+        t0 = time.monotonic()
+        try:
+            view.load = await asyncio.wait_for(handle.load(), timeout_s)
+            view.pid, view.node = view.load.pid, view.load.node
+            self._answered[wid] = time.monotonic()
+            if handle.role == "colocated":
+                rid = f"warm-up:{handle.channel}:{wid}"
+                params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                try:
+                    await asyncio.wait_for(self._warm_pair(None, handle, rid, WARM_UP_PROMPT, params), timeout_s)
+                except BaseException:
+                    await self._abort(handle, None, rid)
+                    raise
+            else:
+                await self.warm_up(WARM_UP_PROMPT, timeout_s, only=wid)
+        except BaseException as exc:
+            view.error = view.last_error = f"warm-up failed: {type(exc).__name__}: {_first_line(exc)}"[:300]
+            raise
+        self.serving_target[handle.pool] += 1
+        self._serving(view)
+        took = time.monotonic() - t0
+        log.warning("worker %s of pool %s added: serving after a %.2f s warm-up", wid, handle.pool, took)
+        return took
+
+    async def retire_worker(self, wid: str, grace_s: float = 30.0) -> dict:
+        """Drain a worker for removal: out of placement at once (state `draining`, the pool's
+        serving target one smaller, no spare promoted for it); its requests from this router
+        finish within `grace_s`; the decode streams still open then move to other decode
+        workers as a lost worker's do (same Resume path: identical tokens) and prefills still
+        running are retried elsewhere; their cancels go to the worker, so its pages come back.
+        Returns {"finished", "moved", "seconds"}. The worker stays known (state `draining`)
+        until `remove_worker`."""
+        view, handle = self.views[wid], self.handles[wid]
+        t0 = time.monotonic()
+        if wid not in self._retiring:
+            self._retiring.add(wid)
+            if view.state in ("serving", "warming") and self.serving_target.get(view.pool, 0) > 0 \
+                    and wid not in self.spares:
+                self.serving_target[view.pool] -= 1
+            view.healthy, view.state, view.error = False, "draining", "draining: being removed from its pool"
+        before = view.inflight
+        deadline = t0 + grace_s
+        while view.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        moved = 0
+        if view.inflight > 0:  # the grace ran out: move them (a deliberate loss; owed cancels free the pages)
+            moved = handle.fence(WorkerUnresponsive(f"worker {wid} is being removed (scale-in): its grace of "
+                                                    f"{grace_s:g} s ran out"))
+            log.warning("worker %s: %d request(s) still open after the %.1f s grace moved to other workers",
+                        wid, moved, grace_s)
+            end = time.monotonic() + 30
+            while view.inflight > 0 and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            failed = await handle.unfence()
+            if failed:
+                log.warning("worker %s: cancels of %d moved request(s) failed: %s", wid, len(failed), failed[:4])
+        return {"finished": max(before - moved, 0), "moved": moved, "seconds": time.monotonic() - t0}
+
+    async def remove_worker(self, wid: str) -> None:
+        """Forget a drained worker (retire_worker first): it is no longer watched or placed on."""
+        handle = self.handles.pop(wid, None)
+        if handle is None:
+            return
+        self.prefills.pop(wid, None)
+        self.decodes.pop(wid, None)
+        self.views.pop(wid, None)
+        self._retiring.discard(wid)
+        self._answered.pop(wid, None)
+        self._silent_since.pop(wid, None)
+        call = self._load_calls.pop(wid, None)
+        if call is not None:
+            call.cancel()
+        warming = self._warming.pop(wid, None)
+        if warming is not None:
+            warming.cancel()
+        handle.on_lost = None
+        await handle.close()
+        self._wake()
 
     # ---- cleanup --------------------------------------------------------------------------
     def _abort_later(self, live: _Live) -> None:

@@ -204,5 +204,6 @@ def _add_inference_service(service: InferenceService, server: grpc.aio.Server) -
         "Tokenize": handler(grpc.unary_unary_rpc_method_handler, service.Tokenize, pb.TokenizeRequest,
                             pb.TokenizeResponse),
         "Drain": handler(grpc.unary_unary_rpc_method_handler, service.Drain, pb.DrainRequest, pb.DrainResponse),
+        "Scale": handler(grpc.unary_unary_rpc_method_handler, service.Scale, pb.ScaleRequest, pb.ScaleResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

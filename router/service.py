@@ -28,6 +28,45 @@ from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
 
+class PoolTargets:
+    """What the Scale RPC sets: each pool's target of serving workers. The router only records
+    it; the owner of the workers (cluster.runtime's `Cluster`, in the driver process) reads the
+    requests of every router (RouterActor.info, newest wins), starts or drains workers until
+    each pool has its target, and pushes back what it did (`status`), which ClusterStatus shows.
+    The same targets are what a planner sets to resize pools."""
+
+    def __init__(self, pools: dict[str, str], targets: dict[str, int], max_replicas: int = 16) -> None:
+        self.roles = dict(pools)                     # pool -> role
+        self.targets = dict(targets)                 # pool -> the config's replicas, then the latest target
+        self.max_replicas = max_replicas
+        self.requests: dict[str, tuple[float, int]] = {}  # pool -> (time.time() of the Scale call, replicas)
+        # from the driver: {"pools": {pool: {"target", "stamp", "current", "start_failures", "error"}},
+        #                   "workers": [{"worker_id", "pool", "role", "state", "error"}]} (workers the router
+        # has not been given, or no longer has: starting, failed, stopped)
+        self.status: dict = {}
+
+    def check(self, pool: str, replicas: int) -> str | None:
+        """Why a Scale request is invalid (naming the field and the allowed range), or None."""
+        if pool not in self.roles:
+            return f"pool must be one of {sorted(self.roles)}, got {pool[:64]!r}"
+        if not 1 <= replicas <= self.max_replicas:
+            return f"replicas must be in [1, {self.max_replicas}], got {replicas}"
+        return None
+
+    def target(self, pool: str) -> int:
+        pushed = self.status.get("pools", {}).get(pool)
+        asked = self.requests.get(pool)
+        if asked is not None and (pushed is None or asked[0] > pushed.get("stamp", 0.0)):
+            return asked[1]
+        return pushed["target"] if pushed is not None else self.targets[pool]
+
+    def set(self, pool: str, replicas: int) -> int:
+        """Record a target; returns the previous one."""
+        previous = self.target(pool)
+        self.requests[pool] = (time.time(), replicas)
+        return previous
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, frontend: Frontend, dispatcher: Dispatcher, *, model_id: str, architecture: str,
                  eos_token_ids: list[int], max_inflight: int = 64, max_queue: int = 256) -> None:
@@ -53,6 +92,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self._at_yield: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(lambda: dispatcher.views)
+        self.pool_targets: PoolTargets | None = None  # set where something owns the workers (a Ray cluster)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
         try:
@@ -208,6 +248,39 @@ class InferenceService(pb_grpc.InferenceServicer):
         finished, cancelled = await self.drain(grace)
         return pb.DrainResponse(finished=finished, cancelled=cancelled)
 
+    async def Scale(self, request: pb.ScaleRequest | BadRequest, context: grpc.aio.ServicerContext) -> pb.ScaleResponse:
+        if isinstance(request, BadRequest):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        t = self.pool_targets
+        if t is None:
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                              "this router owns no workers it could start or stop (not a pdcluster serve cluster)")
+        why = t.check(request.pool, request.replicas)
+        if why is not None:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+        previous = t.set(request.pool, request.replicas)
+        return pb.ScaleResponse(pool=request.pool, previous_target=previous, target=request.replicas,
+                                current=self._current(request.pool))
+
+    def _current(self, pool: str) -> int:
+        """Serving workers of `pool` (not hot spares): the driver's count, else this router's."""
+        pushed = (self.pool_targets.status.get("pools", {}).get(pool) if self.pool_targets is not None else None)
+        if pushed is not None:
+            return pushed["current"]
+        return sum(1 for v in self.dispatcher.views.values() if v.pool == pool and v.state == "serving")
+
+    def _pools(self) -> list[pb.PoolStatus]:
+        t = self.pool_targets
+        if t is None:
+            return []
+        out = []
+        for pool, role in t.roles.items():
+            pushed = t.status.get("pools", {}).get(pool, {})
+            out.append(pb.PoolStatus(name=pool, role=role, target_replicas=t.target(pool),
+                                     current_replicas=self._current(pool), max_replicas=t.max_replicas,
+                                     start_failures=pushed.get("start_failures", 0), error=pushed.get("error", "")))
+        return out
+
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.errors.labels(code=code.name).inc()
         await context.abort(code, message)
@@ -290,7 +363,13 @@ class InferenceService(pb_grpc.InferenceServicer):
                 tp_size=getattr(ld, "tp_size", 1) if v.load is not None else 0,
                 rank_pids=getattr(ld, "rank_pids", ()), rank_nodes=getattr(ld, "rank_nodes", ()),
                 num_threads=getattr(ld, "num_threads", 0)))
-        return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name,
+        if self.pool_targets is not None:  # workers the driver has and this router has not (yet, or any more)
+            for w in self.pool_targets.status.get("workers", ()):
+                if w["worker_id"] not in self.dispatcher.views:
+                    workers.append(pb.WorkerStatus(worker_id=w["worker_id"], pool=w["pool"], role=w["role"],
+                                                   healthy=False, state=w["state"], error=w.get("error", ""),
+                                                   last_error=w.get("error", "")))
+        return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name, pools=self._pools(),
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,
                                         requests_served=self.served, requests_failed=self.failed)

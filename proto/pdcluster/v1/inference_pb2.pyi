@@ -172,6 +172,44 @@ class DrainResponse(_message.Message):
     cancelled: int
     def __init__(self, finished: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("pool", "replicas")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replicas: int
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("pool", "previous_target", "target", "current")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    previous_target: int
+    target: int
+    current: int
+    def __init__(self, pool: _Optional[str] = ..., previous_target: _Optional[int] = ..., target: _Optional[int] = ..., current: _Optional[int] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("name", "role", "target_replicas", "current_replicas", "max_replicas", "start_failures", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    START_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    target_replicas: int
+    current_replicas: int
+    max_replicas: int
+    start_failures: int
+    error: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., current_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., start_failures: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -223,7 +261,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed")
+    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +270,7 @@ class ClusterStatusResponse(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     policy: str
     inflight_requests: int
@@ -240,7 +279,8 @@ class ClusterStatusResponse(_message.Message):
     max_queue: int
     requests_served: int
     requests_failed: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages")

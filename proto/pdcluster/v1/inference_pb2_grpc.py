@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
                 response_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/pdcluster.v1.Inference/Scale',
+                request_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -97,6 +102,16 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Set a pool's target number of serving workers. Answers at once, with the target recorded;
+        the cluster then starts and warms up workers (scale-out) or drains and stops the least
+        loaded ones (scale-in: their streams finish or move with identical tokens) until the pool
+        has that many. ClusterStatus.pools shows target and current replicas, each worker its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +139,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.FromString,
                     response_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleRequest.FromString,
+                    response_serializer=proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +281,33 @@ class Inference:
             '/pdcluster.v1.Inference/Drain',
             proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
             proto_dot_pdcluster_dot_v1_dot_inference__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Inference/Scale',
+            proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+            proto_dot_pdcluster_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,
