@@ -1,6 +1,10 @@
 """Fixtures of the multi-node suite: three namespaced hosts on one bridge (scripts/netns_cluster.py),
 a Ray cluster across them, and `pdcluster serve --address` run on the head's host.
 
+test_tp_across_nodes.py runs the prefill pool at tensor_parallel_size 2 (both ranks on the
+prefill host, whose Ray node it restarts with room for two rank bundles, then gives back its
+first shape) against a TP=1 decode pool.
+
 Everything here is marked `multinode` and runs only when asked for (`pytest -m multinode
 tests/multinode`, `make test-multinode`): it needs root (network namespaces) and takes minutes.
 Addresses are only those of the namespaces made here (10.77.0.0/24) and 127.0.0.1; the session
