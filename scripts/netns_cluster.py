@@ -9,6 +9,11 @@ default) and nothing else:
     <prefix>-prefill  10.77.0.2  Ray worker node, resource {"node_prefill": 1}
     <prefix>-decode   10.77.0.3  Ray worker node, resource {"node_decode": 1}
 
+One Ray CPU and one unit of its `node_<host>` resource per host by default (`cpus`, `units`);
+a tensor-parallel worker needs one of each per rank on its host (its placement group's
+bundles): give that host more, at `up` or when restarting it (`restart_ray(host, num_cpus=,
+units=)`: Ray cannot change a live node's resources).
+
 Each host's interface is `eth0` (a veth whose peer sits on the bridge); every Ray process is
 started inside its host's namespace (`ip netns exec`), with its own --temp-dir. Deleting the
 namespaces removes the veths and the bridge with them; processes are killed by namespace
@@ -17,6 +22,7 @@ namespaces removes the veths and the bridge with them; processes are killed by n
 Command line:
 
     scripts/netns_cluster.py up        # namespaces + Ray on all three hosts, prints the head address
+    scripts/netns_cluster.py --cpus 1,2,1 --units 1,2,1 up   # the prefill host with room for 2 ranks
     scripts/netns_cluster.py exec head -- pdcluster serve --address 10.77.0.1:6379 ...
     scripts/netns_cluster.py kill decode   # everything in the decode host's namespace (raylet included)
     scripts/netns_cluster.py start decode  # `ray start` on it again
@@ -58,6 +64,7 @@ class NetnsCluster:
     workdir: Path = field(default_factory=lambda: Path("/tmp/pdmn"))
     env: dict[str, str] = field(default_factory=dict)   # extra env for every Ray process (UCX_TLS, ...)
     cpus: tuple[int, int, int] = (1, 1, 1)              # Ray CPUs of head, prefill, decode
+    units: tuple[int, int, int] = (1, 1, 1)             # units of each host's custom resource (node_<name>)
     object_store_bytes: int = 128 << 20
     hosts: list[Host] = field(default_factory=list)
     # Ray's failure detection (the GCS's health checks of each raylet, set on the head): a node
@@ -74,9 +81,9 @@ class NetnsCluster:
         self.workdir = Path(self.workdir)
         if not self.hosts:
             self.hosts = [
-                Host("head", f"{self.subnet}.1", {"node_head": 1}, self.cpus[0], head=True),
-                Host("prefill", f"{self.subnet}.2", {"node_prefill": 1}, self.cpus[1]),
-                Host("decode", f"{self.subnet}.3", {"node_decode": 1}, self.cpus[2]),
+                Host("head", f"{self.subnet}.1", {"node_head": self.units[0]}, self.cpus[0], head=True),
+                Host("prefill", f"{self.subnet}.2", {"node_prefill": self.units[1]}, self.cpus[1]),
+                Host("decode", f"{self.subnet}.3", {"node_decode": self.units[2]}, self.cpus[2]),
             ]
 
     # ---- names -----------------------------------------------------------------------------
@@ -145,8 +152,16 @@ class NetnsCluster:
     def temp_dir(self, host: str) -> Path:
         return self.workdir / f"ray-{host}"
 
-    def start_ray(self, host: str, timeout: float = 180) -> None:
+    def start_ray(self, host: str, timeout: float = 180, *, num_cpus: int | None = None,
+                  units: int | None = None) -> None:
+        """`ray start` on the host. `num_cpus`/`units` (its Ray CPUs, the units of its custom
+        resource `node_<name>`) reshape the host from this start on (a host brought back bigger,
+        e.g. room for a tensor-parallel group's bundles); by default it keeps its shape."""
         h = self.host(host)
+        if num_cpus is not None:
+            h.num_cpus = num_cpus
+        if units is not None:
+            h.resources = {f"node_{h.name}": units}
         tmp = self.temp_dir(host)
         tmp.mkdir(parents=True, exist_ok=True)
         argv = [str(VENV_BIN / "ray"), "start", "--node-ip-address", h.ip, "--disable-usage-stats",
@@ -158,8 +173,15 @@ class NetnsCluster:
             env = {f"RAY_{k}": str(v) for k, v in self.failure_detection.items()}
         else:
             argv += ["--address", self.head_address]
-        r = self.run(host, argv, env=env, timeout=timeout, check=False)
-        if r.returncode != 0:
+        for attempt in (1, 2):
+            r = self.run(host, argv, env=env, timeout=timeout, check=False)
+            if r.returncode == 0:
+                return
+            # `ray start` gives its raylet a fixed 30 s to register with the GCS; on a loaded
+            # machine it may take longer: once, clear the host's processes and start it again
+            if attempt == 1 and "timed out during startup" in r.stderr:
+                self.kill(host)
+                continue
             raise RuntimeError(f"ray start on {host} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
 
     def up(self) -> None:
@@ -213,6 +235,28 @@ class NetnsCluster:
                 raise RuntimeError(f"processes left in {host_or_ns}: {pids}")
             time.sleep(0.05)
 
+    def restart_ray(self, host: str, *, num_cpus: int | None = None, units: int | None = None,
+                    timeout: float = 120) -> None:
+        """Kill everything in a worker host's namespace, wait until Ray declares its node dead,
+        then `ray start` it again (with another shape if `num_cpus`/`units` say so) and wait
+        until it is alive with that shape. Ray cannot change a live node's resources."""
+        h = self.host(host)
+        assert not h.head, "the head cannot be restarted under a running cluster"
+        self.kill(host)
+
+        def until(done, what: str) -> None:
+            deadline = time.monotonic() + timeout
+            while not done(nodes := [n for n in self.alive_nodes() if n["ip"] == h.ip]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} within {timeout:.0f}s: {nodes}")
+                time.sleep(0.5)
+
+        until(lambda mine: not mine, f"Ray did not declare the {host} node dead")
+        self.start_ray(host, num_cpus=num_cpus, units=units)
+        until(lambda mine: bool(mine) and mine[0]["res"].get("CPU") == h.num_cpus
+              and all(mine[0]["res"].get(k) == v for k, v in h.resources.items()),
+              f"the {host} node not alive with CPU={h.num_cpus} {h.resources}")
+
     def existing_namespaces(self) -> list[str]:
         r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
@@ -247,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="pdmn")
     p.add_argument("--subnet", default="10.77.0")
     p.add_argument("--workdir", default="/tmp/pdmn")
+    p.add_argument("--cpus", default="1,1,1", help="Ray CPUs of head,prefill,decode (default 1,1,1)")
+    p.add_argument("--units", default="1,1,1",
+                   help="units of the custom resource node_<host> of head,prefill,decode (default 1,1,1); "
+                        "e.g. 1,2,1 gives the prefill host room for a TP=2 worker's two bundles with --cpus 1,2,1")
     p.add_argument("--env", action="append", default=["UCX_TLS=tcp"],
                    help="KEY=VALUE for every Ray process (default: UCX_TLS=tcp)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -262,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("argv", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     env = dict(kv.split("=", 1) for kv in args.env)
-    c = NetnsCluster(prefix=args.prefix, subnet=args.subnet, workdir=Path(args.workdir), env=env)
+    three = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    c = NetnsCluster(prefix=args.prefix, subnet=args.subnet, workdir=Path(args.workdir), env=env,
+                     cpus=three(args.cpus), units=three(args.units))
     token = Path(args.workdir) / "auth_token"   # the cluster's Ray token, kept between invocations
     if args.cmd != "up" and token.exists():
         c.auth_token = token.read_text().strip()

@@ -26,7 +26,9 @@ def main() -> None:
             st = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
             print(json.dumps([dict(worker_id=w.worker_id, role=w.role, node=w.node, pid=w.pid, healthy=w.healthy,
                                    state=w.state, restarts=w.restarts, free_pages=w.free_pages,
-                                   total_pages=w.total_pages) for w in st.workers]))
+                                   total_pages=w.total_pages, tp_size=w.tp_size, rank_pids=list(w.rank_pids),
+                                   rank_nodes=list(w.rank_nodes), num_threads=w.num_threads)
+                              for w in st.workers]))
             return
         prompts, max_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -1,6 +1,10 @@
 """Fixtures of the multi-node suite: three namespaced hosts on one bridge (scripts/netns_cluster.py),
 a Ray cluster across them, and `pdcluster serve --address` run on the head's host.
 
+test_tp_across_nodes.py runs the prefill pool at tensor_parallel_size 2 (both ranks on the
+prefill host, whose Ray node it restarts with room for two rank bundles, then gives back its
+first shape) against a TP=1 decode pool.
+
 Everything here is marked `multinode` and runs only when asked for (`pytest -m multinode
 tests/multinode`, `make test-multinode`): it needs root (network namespaces) and takes minutes.
 Addresses are only those of the namespaces made here (10.77.0.0/24) and 127.0.0.1; the session
@@ -95,18 +99,22 @@ def _processes_mentioning(text: str) -> list[str]:
 class Served:
     """`pdcluster serve --address HEAD:6379 --config YAML` running in the head's namespace."""
 
-    def __init__(self, netns: NetnsCluster, transport: str, workdir: Path, migration_wait_s: float = 60.0):
+    def __init__(self, netns: NetnsCluster, transport: str, workdir: Path, migration_wait_s: float = 60.0,
+                 prefill_tp: int = 1):
         self.netns = netns
         self.transport = transport
         head = netns.host("head").ip
         self.address = f"{head}:50051"
         self.config = workdir / f"cluster-{transport}.yaml"
         pools = []
-        for role, node in (("prefill", "node_prefill"), ("decode", "node_decode")):
+        for role, node, tp in (("prefill", "node_prefill", prefill_tp), ("decode", "node_decode", 1)):
             pools.append(dict(name=role, role=role, replicas=1, max_restarts=100,
-                              resources=dict(num_cpus=1, custom={node: 1}), engine=ENGINE))
+                              resources=dict(num_cpus=1, custom={node: 1}),
+                              engine=dict(ENGINE, tensor_parallel_size=tp) if tp > 1 else ENGINE))
         # JSON is YAML: the prefill pool pinned to the prefill host, the decode pool to the decode
-        # host (their custom resources); the router needs the head's only CPU, so it runs there
+        # host (their custom resources: per rank, so a prefill pool of TP N needs N CPUs and N units
+        # of node_prefill there, its ranks packed on that host by the default STRICT_PACK);
+        # the router needs the head's only CPU, so it runs there
         self.config.write_text(json.dumps(dict(
             model="tiny", transport=dict(kind=transport),
             router=dict(host=head, port=50051, num_cpus=1, migration_wait_s=migration_wait_s), pools=pools)))
@@ -186,3 +194,21 @@ def listeners(netns: NetnsCluster, host: str, pid: int) -> list[tuple[str, int]]
         addr, port = local.rsplit(":", 1)
         found.append((addr.strip("[]").removeprefix("::ffff:"), int(port)))
     return found
+
+
+def tcp_bytes(netns: NetnsCluster, host: str, pid: int, peer_ip: str) -> tuple[int, int, int]:
+    """(connections, bytes sent and acknowledged, bytes received) of process `pid`'s open TCP
+    connections with `peer_ip`, summed, seen inside the host's namespace (`ss -tinp`, kernel counters)."""
+    out = netns.run(host, ["ss", "-Htinp"]).stdout
+    conns = sent = received = 0
+    mine = False
+    for line in out.splitlines():
+        if not line[:1].isspace():  # a socket: state, queues, local, peer, users
+            parts = line.split()
+            mine = f"pid={pid}," in line and len(parts) > 4 and \
+                parts[4].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") == peer_ip
+            conns += mine
+        elif mine:  # its TCP info
+            sent += int(m.group(1)) if (m := re.search(r"\bbytes_acked:(\d+)", line)) else 0
+            received += int(m.group(1)) if (m := re.search(r"\bbytes_received:(\d+)", line)) else 0
+    return conns, sent, received
