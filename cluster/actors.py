@@ -290,6 +290,7 @@ class RouterActor:
         self.incarnation = uuid.uuid4().hex[:8]
         self.server = None
         self.retired = 0  # requests of earlier incarnations this one cancelled on the workers
+        self.autoscaler = None  # the SLA planner (cluster.autoscale), router 0's alone
         from router.service import PoolTargets
 
         # Scale's targets (router.service.PoolTargets): recorded here, reconciled by the driver
@@ -337,6 +338,11 @@ class RouterActor:
         self.server.metrics_port = metrics_port
         self.server.service.pool_targets = self.pool_targets
         address = await self.server.start()
+        if self.index == 0 and cfg.autoscale.mode != "off" and self.autoscaler is None:
+            from cluster.autoscale import Autoscaler
+
+            self.autoscaler = Autoscaler(cfg, self.server.service, self.pool_targets)
+            self.autoscaler.start()
         freeze_startup_heap()
         return address
 
@@ -367,7 +373,12 @@ class RouterActor:
         """What the cluster's supervisor watches: this process, its incarnation and whether it serves."""
         return {"pid": os.getpid(), "incarnation": self.incarnation, "started": self.server is not None,
                 "serving": self.serving(), "address": self.server.address if self.server is not None else "",
-                "retired": self.retired, "scale": dict(self.pool_targets.requests)}
+                "retired": self.retired, "scale": dict(self.pool_targets.requests),
+                "autoscale_seq": self.autoscaler.seq if self.autoscaler is not None else 0}
+
+    def autoscale_decisions(self, after: int = 0) -> list[tuple[int, str]]:
+        """The SLA planner's latest decisions (seq, JSON line) numbered past `after`."""
+        return self.autoscaler.since(after) if self.autoscaler is not None else []
 
     # ---- resizing pools: the driver's scaler (cluster.runtime) calls these ----------------------
     def set_workers(self, prefills: list, decodes: list) -> None:
@@ -423,6 +434,9 @@ class RouterActor:
         return sorted(m for m in list(sys.modules) if any(m == p or m.startswith(p + ".") for p in prefixes))
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
+            self.autoscaler = None
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None

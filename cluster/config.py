@@ -246,6 +246,58 @@ class RouterSettings(_Strict):
         return self
 
 
+class AutoscalePool(_Strict):
+    min_replicas: int = Field(1, ge=1, le=16, description="fewest serving workers the planner leaves the pool "
+                                                          "(where it goes at zero traffic)")
+    max_replicas: int = Field(2, ge=1, le=16, description="most serving workers the planner gives the pool (the "
+                                                          "Scale RPC's limit is 16); at least min_replicas")
+
+
+class SloSettings(_Strict):
+    ttft_s: float = Field(2.0, gt=0, le=600, description="time to first token the planner holds the pools to, "
+                                                         "in seconds, at `percentile`")
+    itl_s: float = Field(0.2, gt=0, le=60, description="gap between consecutive streamed chunks (inter-token "
+                                                       "latency) the planner holds the pools to, in seconds, at "
+                                                       "`percentile`")
+    percentile: float = Field(90.0, gt=0, lt=100, description="the percentile of the window's TTFT and ITL "
+                                                              "compared with the SLO, e.g. 90 or 99")
+
+
+class AutoscaleSettings(_Strict):
+    mode: Literal["off", "advisory", "on"] = Field(
+        "off", description="off: no planner; advisory: the planner decides and logs (and sets "
+                           "pdcluster_autoscale_desired_replicas) but changes no target; on: it sets the pools' "
+                           "targets as the Scale RPC does, and the cluster's scaler resizes them")
+    pools: dict[str, AutoscalePool] = Field(default_factory=dict,
+                                            description="the pools the planner resizes, by pool name, with their "
+                                                        "min_replicas and max_replicas; a pool not named here keeps "
+                                                        "its replicas")
+    slo: SloSettings = Field(default_factory=SloSettings, description="the latency objective of the fast loop")
+    budget_cpus: float | None = Field(None, gt=0, description="most Ray CPUs all pools' workers may reserve "
+                                                              "together (replicas and hot spares, every "
+                                                              "tensor-parallel rank); a scale-out past it is not "
+                                                              "made; null: no budget")
+    interval_s: float = Field(2.0, ge=0.2, le=5.0, description="period of the fast loop: each pool's TTFT and ITL "
+                                                               "estimated, at most one replica up or down")
+    window_s: float = Field(30.0, ge=1, le=600, description="the fast loop's TTFT and ITL percentiles are over "
+                                                            "the router's requests of this many last seconds")
+    up_cooldown_s: float = Field(15.0, ge=0, le=3600, description="a pool is scaled out no sooner than this "
+                                                                  "after its last change")
+    down_cooldown_s: float = Field(120.0, ge=0, le=3600, description="a pool is scaled in no sooner than this "
+                                                                     "after its last change")
+    down_fraction: float = Field(0.5, gt=0, lt=1, description="a pool is scaled in only when its estimates, "
+                                                              "scaled to one replica fewer, stay under this "
+                                                              "fraction of the SLO")
+    kv_high: float = Field(0.9, gt=0, le=1, description="a pool whose workers' KV pages in use reach this "
+                                                        "fraction (their mean) is scaled out")
+    queue_high: float = Field(4.0, gt=0, le=100000, description="a pool whose requests waiting (not in the "
+                                                                "batch) per serving worker reach this is scaled out")
+    slow_interval_s: float = Field(120.0, ge=10, le=3600,
+                                   description="period and window of the slow loop: arrival rate, prompt and "
+                                               "output lengths and time in the system over this window give "
+                                               "each pool a floor of replicas (Little's law, docs/operations.md)")
+
+
 class ClusterConfig(_Strict):
     model: str = Field("small", description="model to serve: a checkpoint folder, or a built-in name PRESET or "
                                             "ARCH-PRESET (e.g. tiny, small, qwen3-small)")
@@ -256,6 +308,9 @@ class ClusterConfig(_Strict):
     pools: list[PoolConfig] = Field(..., description="worker pools; at least one decode or colocated pool, a "
                                                      "prefill pool needs a decode pool and the reverse, names "
                                                      "unique")
+    autoscale: AutoscaleSettings = Field(default_factory=AutoscaleSettings,
+                                         description="the SLA planner: resizes pools to hold a TTFT and ITL "
+                                                     "objective (off by default)")
 
     @model_validator(mode="after")
     def _pools_make_a_cluster(self) -> ClusterConfig:
@@ -270,6 +325,20 @@ class ClusterConfig(_Strict):
         if "decode" in roles and "prefill" not in roles:
             raise ValueError("a decode pool needs a prefill pool (or make it role: colocated)")
         assert POLICIES  # the Literal above mirrors router.policy.POLICIES
+        a = self.autoscale
+        for name, ap in a.pools.items():
+            if name not in names:
+                raise ValueError(f"autoscale.pools: {name!r} is not a pool; pools are {names}")
+            if ap.min_replicas > ap.max_replicas:
+                raise ValueError(f"autoscale.pools.{name}.min_replicas must be in [1, max_replicas "
+                                 f"{ap.max_replicas}], got {ap.min_replicas}")
+        if a.budget_cpus is not None:
+            floor = sum(p.resources.num_cpus * p.engine.tensor_parallel_size
+                        * ((a.pools[p.name].min_replicas if p.name in a.pools else p.replicas) + p.spare_replicas)
+                        for p in self.pools)
+            if a.budget_cpus < floor:
+                raise ValueError(f"autoscale.budget_cpus must be >= {floor:g} (every pool at its min_replicas, "
+                                 f"plus spares), got {a.budget_cpus:g}")
         return self
 
     @property

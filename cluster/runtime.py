@@ -62,6 +62,7 @@ class RouterRecord:
     last_answer: float = 0.0             # monotonic time of its last answer to the supervisor
     restarts: int = 0
     pushed: int = -1                     # the scale status (Cluster._status_seq) it was last told
+    autoscale_seen: int = 0              # the last SLA planner decision of it logged here (cluster.autoscale)
 
 
 @dataclass
@@ -121,7 +122,9 @@ class Cluster:
         if self.address is None:
             def ranks(p: PoolConfig) -> int:
                 # room for scale_headroom more workers of each pool (a Scale beyond waits for resources)
-                return (p.replicas + p.spare_replicas + self.scale_headroom) * p.engine.tensor_parallel_size
+                auto = cfg.autoscale.pools.get(p.name) if cfg.autoscale.mode == "on" else None
+                more = max(self.scale_headroom, auto.max_replicas - p.replicas if auto else 0)
+                return (p.replicas + p.spare_replicas + more) * p.engine.tensor_parallel_size
             need_cpus = (sum(p.resources.num_cpus * ranks(p) for p in cfg.pools)
                          + cfg.router.num_cpus * cfg.router.replicas)
             custom: dict[str, float] = {}
@@ -271,6 +274,7 @@ class Cluster:
         if info["pid"] != r.pid:
             self._lost(r, "its process is gone")
         self._adopt(info.get("scale") or {})
+        self._autoscale_lines(r, info.get("autoscale_seq", 0))
         if r.lost_at is None:
             r.last_answer = asked
             return
@@ -294,6 +298,23 @@ class Cluster:
                       f"answer of its lost process; {retired} request(s) of its predecessor cancelled on the workers")
         else:
             self._overdue(r)
+
+    def _autoscale_lines(self, r: RouterRecord, seq: int) -> None:
+        """Log the SLA planner's new decisions (one JSON line each; cluster.autoscale)."""
+        import ray
+
+        if seq < r.autoscale_seen:  # a new process: its count starts again
+            r.autoscale_seen = 0
+        if seq == r.autoscale_seen:
+            return
+        try:
+            lines = ray.get(r.actor.autoscale_decisions.remote(r.autoscale_seen), timeout=5)
+        except Exception as exc:  # next time
+            log.warning("%s: autoscale decisions: %s", r.name, _first_line(exc))
+            return
+        for n, line in lines:
+            self._say(f"autoscale: {line}", logging.INFO)
+            r.autoscale_seen = n
 
     def _lost(self, r: RouterRecord, why: str) -> None:
         if r.lost_at is None:

@@ -1,0 +1,397 @@
+"""The SLA planner (config `autoscale:`, docs/operations.md "Autoscaling"): one per cluster, in
+router 0's actor (cluster.actors.RouterActor.start), on the router's event loop.
+
+Why there: router 0 has every input at hand without an RPC (the dispatcher's worker views, whose
+loads its refresh loop keeps current; its own TTFT/ITL histograms and request counters), the
+`PoolTargets` the Scale RPC writes, and the Prometheus registry its decisions are exported on.
+A target it sets is the same record a Scale call makes, so the driver's scaler
+(cluster.runtime.Cluster) resizes the pool with the same warm-up, drain and migration. Ray
+restarts a lost router 0 and the supervisor starts it again: the planner comes back with it
+(with fresh windows and cooldowns). Its decisions reach the driver's log through
+`RouterActor.autoscale_decisions` (the supervisor prints them).
+
+Two loops:
+
+- the fast loop (`interval_s`): per pool, the TTFT and ITL percentiles of the router's requests
+  over the last `window_s` (bucket counts of its histograms, differenced between snapshots) and,
+  for decode and colocated pools, the step-time estimate of ITL from the workers' reports
+  (running requests / tokens per second: one token per running sequence per step), plus the
+  workers' KV use and waiting requests. One replica up when an estimate misses the SLO or KV or
+  queue pressure is high (after `up_cooldown_s`, within max_replicas and `budget_cpus`); one down
+  when the estimates scaled to one replica fewer stay under `down_fraction` of the SLO, after
+  `down_cooldown_s`, not below min_replicas nor the slow loop's floor. At zero traffic (no request
+  in the window, nothing running or waiting) pools go to min_replicas.
+- the slow loop (`slow_interval_s`): over its window, the arrival rate lambda (finished requests
+  per second), mean prompt and output tokens and mean time in the system W; Little's law gives
+  the requests in the system L = lambda * W, and a pool's floor is the replicas whose batches hold
+  them: ceil(L / max_num_seqs) for decode and colocated pools, ceil(lambda * mean prefill time /
+  (max_num_batched_tokens // mean prompt)) for prefill pools. planning's simulator is not run
+  here: it needs a latency profile of each pool's hardware (planning.profile) that a running
+  cluster does not have, and planning sits above cluster in the package layers.
+
+`Planner` is the decision logic alone (no I/O, a clock passed in): tests/unit/test_autoscale.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from cluster.config import AutoscaleSettings, ClusterConfig, PoolConfig
+
+log = logging.getLogger("pdcluster.autoscale")
+
+
+@dataclass(slots=True)
+class PoolSignal:
+    """One pool's inputs to a fast-loop tick."""
+    target: int                      # the pool's target now (PoolTargets)
+    current: int                     # its serving workers now (the driver's count)
+    running: int = 0                 # requests in its workers' batches
+    waiting: int = 0                 # requests waiting on its workers (queue, pages, KV)
+    queued_tokens: int = 0           # prompt tokens still to prefill
+    kv_used: float = 0.0             # mean fraction of KV pages in use over its workers
+    step_itl_s: float | None = None  # step-time estimate of ITL (running / tokens_per_s), decode and colocated
+    ttft_s: float | None = None      # the router's TTFT percentile over the window (None: no sample)
+    itl_s: float | None = None       # the router's ITL percentile over the window
+    requests: int = 0                # requests that got a first token in the window
+
+
+@dataclass(slots=True)
+class Decision:
+    pool: str
+    direction: str                   # up, down, hold (an up wanted but not made)
+    reason: str                      # min, floor, max, ttft_slo, itl_slo, kv_pressure, queue, idle, under_slo;
+                                     # hold: at_max, budget, cooldown
+    target: int
+    desired: int
+    inputs: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _PoolState:
+    last_change: float | None = None  # when its target last changed (ours or a Scale call)
+    last_target: int | None = None
+    floor: int = 1
+    blocked: str = ""                 # the hold reason logged last (logged once until it changes)
+    settling: bool = False            # its serving workers differ from its target (the scaler is at work)
+
+
+def replica_cpus(pool: PoolConfig) -> float:
+    return pool.resources.num_cpus * pool.engine.tensor_parallel_size
+
+
+class Planner:
+    """The decision logic of both loops; `tick` returns the decisions of one fast-loop step."""
+
+    def __init__(self, settings: AutoscaleSettings, pools: list[PoolConfig], applies: bool = True) -> None:
+        self.s = settings
+        self.applies = applies  # mode on: a decision becomes the target (advisory: the target stays)
+        self.wanted: dict[str, int] = {}  # pool -> replicas wanted after the last tick (the desired metric)
+        self.pools = {p.name: p for p in pools}
+        self.state = {name: _PoolState(floor=ap.min_replicas) for name, ap in settings.pools.items()}
+
+    # ---- the slow loop -------------------------------------------------------------------------
+    def set_floors(self, stats: dict) -> dict[str, int]:
+        """Floors from the slow window's statistics (`Window.slow`): Little's law."""
+        rate, e2e = stats.get("rate", 0.0), stats.get("e2e_s", 0.0)
+        prompt, prefill = stats.get("prompt_tokens", 0.0), stats.get("prefill_s", 0.0)
+        floors = {}
+        for name, ap in self.s.pools.items():
+            p = self.pools[name]
+            if p.role == "prefill":
+                per = max(1, p.engine.max_num_batched_tokens // max(1, int(prompt or 1)))
+                need = rate * prefill / per
+            else:
+                need = rate * e2e / p.engine.max_num_seqs
+            floor = min(max(math.ceil(need - 1e-9), ap.min_replicas), ap.max_replicas)
+            self.state[name].floor = floors[name] = floor
+        return floors
+
+    # ---- the fast loop -------------------------------------------------------------------------
+    def tick(self, signals: dict[str, PoolSignal], now: float) -> list[Decision]:
+        s, out = self.s, []
+        used = sum(replica_cpus(p) * ((signals[n].target if n in signals else p.replicas) + p.spare_replicas)
+                   for n, p in self.pools.items())
+        for name, ap in s.pools.items():
+            sig = signals.get(name)
+            if sig is None:
+                continue
+            st, pool = self.state[name], self.pools[name]
+            t = sig.target
+            if st.last_target != t:  # a change (not ours: a Scale call, or the start): cooldowns count from now
+                st.last_change, st.last_target = now, t
+            self.wanted[name] = t
+            if sig.current != t:  # the scaler is still moving it: one step at a time
+                st.settling = True
+                continue
+            if st.settling:  # it got there: the cooldowns count from the new size serving
+                st.settling, st.last_change = False, now
+            lo, hi = max(ap.min_replicas, st.floor), ap.max_replicas
+            ttft = sig.ttft_s if pool.role != "decode" else None
+            itl = None
+            if pool.role != "prefill":
+                cands = [x for x in (sig.itl_s, sig.step_itl_s) if x is not None]
+                itl = max(cands) if cands else None
+            waiting_per = sig.waiting / max(sig.current, 1)
+            inputs = {"target": t, "current": sig.current, "min": ap.min_replicas, "max": hi, "floor": st.floor,
+                      "ttft_s": _r(ttft), "itl_s": _r(itl), "router_itl_s": _r(sig.itl_s),
+                      "step_itl_s": _r(sig.step_itl_s), "slo_ttft_s": s.slo.ttft_s, "slo_itl_s": s.slo.itl_s,
+                      "percentile": s.slo.percentile, "requests": sig.requests, "running": sig.running,
+                      "waiting": sig.waiting, "queued_tokens": sig.queued_tokens, "kv_used": round(sig.kv_used, 3),
+                      "cpus_used": used, "budget_cpus": s.budget_cpus}
+            since = now - st.last_change
+            up = ""
+            if t < ap.min_replicas:
+                up = "min"
+            elif t < st.floor:
+                up = "floor"
+            elif ttft is not None and ttft > s.slo.ttft_s:
+                up = "ttft_slo"
+            elif itl is not None and itl > s.slo.itl_s:
+                up = "itl_slo"
+            elif sig.kv_used >= s.kv_high:
+                up = "kv_pressure"
+            elif waiting_per >= s.queue_high:
+                up = "queue"
+            d = None
+            if up:
+                cost = replica_cpus(pool)
+                if t >= hi:
+                    blocked = "at_max"
+                elif s.budget_cpus is not None and used + cost > s.budget_cpus + 1e-9:
+                    blocked = "budget"
+                elif up not in ("min", "floor") and since < s.up_cooldown_s:
+                    blocked = "cooldown"
+                else:
+                    blocked = ""
+                if blocked in ("", "cooldown"):
+                    self.wanted[name] = t + 1
+                if blocked:
+                    if st.blocked != blocked:
+                        st.blocked = blocked
+                        out.append(Decision(name, "hold", blocked, t, t, {**inputs, "wanted": up}))
+                    continue
+                used += cost
+                d = Decision(name, "up", up, t, t + 1, inputs)
+            elif t > hi:
+                d = Decision(name, "down", "max", t, t - 1, inputs)
+            elif t > lo and since >= s.down_cooldown_s:
+                f = t / (t - 1)
+                idle = sig.requests == 0 and sig.running == 0 and sig.waiting == 0
+                under = (sig.waiting == 0 and (ttft or 0.0) * f < s.down_fraction * s.slo.ttft_s
+                         and (itl or 0.0) * f < s.down_fraction * s.slo.itl_s and sig.kv_used * f < s.kv_high)
+                if idle or under:
+                    used -= replica_cpus(pool)
+                    d = Decision(name, "down", "idle" if idle else "under_slo", t, t - 1, inputs)
+            st.blocked = ""
+            if d is not None:
+                out.append(d)
+                self.wanted[name] = d.desired
+                st.last_change = now
+                if self.applies:
+                    st.last_target = d.desired
+        return out
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+# ---- the router's observations over a window ------------------------------------------------------
+def _samples(metric) -> list:
+    return [s for fam in metric.collect() for s in fam.samples]
+
+
+def _hist(metric) -> tuple[list[float], list[float], float, float]:
+    """(upper bounds, cumulative counts, count, sum) of a prometheus_client Histogram."""
+    bounds, counts, total, sum_ = [], [], 0.0, 0.0
+    for s in _samples(metric):
+        if s.name.endswith("_bucket"):
+            bounds.append(float(s.labels["le"]))
+            counts.append(s.value)
+        elif s.name.endswith("_count"):
+            total = s.value
+        elif s.name.endswith("_sum"):
+            sum_ = s.value
+    return bounds, counts, total, sum_
+
+
+def _counter(metric) -> float:
+    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
+
+
+def percentile(bounds: list[float], counts: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) of a histogram's cumulative bucket counts, linearly
+    interpolated inside its bucket; a value past the last finite bound is that bound."""
+    if not counts or counts[-1] <= 0:
+        return None
+    want = q / 100.0 * counts[-1]
+    prev_b, prev_c = 0.0, 0.0
+    for b, c in zip(bounds, counts):
+        if c >= want:
+            if math.isinf(b):
+                return prev_b
+            return prev_b + (b - prev_b) * ((want - prev_c) / (c - prev_c) if c > prev_c else 1.0)
+        prev_b, prev_c = b, c
+    return prev_b
+
+
+class Window:
+    """Snapshots of a router's request metrics (router.metrics.RouterMetrics), differenced over
+    the fast and the slow window."""
+
+    def __init__(self, metrics, keep_s: float) -> None:
+        self.m, self.keep_s = metrics, keep_s
+        self.snaps: deque = deque()
+
+    def snapshot(self, now: float) -> None:
+        m = self.m
+        self.snaps.append((now, {"ttft": _hist(m.ttft), "itl": _hist(m.itl), "e2e": _hist(m.e2e),
+                                 "prefill": _hist(m.prefill), "requests": _counter(m.requests),
+                                 "prompt": _counter(m.prompt_tokens), "generated": _counter(m.generation_tokens)}))
+        while len(self.snaps) > 2 and now - self.snaps[1][0] >= self.keep_s:
+            self.snaps.popleft()
+
+    def _pair(self, now: float, span: float):
+        if not self.snaps:
+            return None, None
+        last = self.snaps[-1]
+        first = next((x for x in self.snaps if now - x[0] <= span + 1e-6), last)
+        if first is last and len(self.snaps) > 1 and now - self.snaps[-2][0] <= span + 1e-6:
+            first = self.snaps[-2]
+        return first, last
+
+    def fast(self, now: float, span: float, q: float) -> dict:
+        """TTFT and ITL percentile q over the last `span` seconds (None where no sample), and the
+        requests that got their first token."""
+        first, last = self._pair(now, span)
+        if first is None or first is last:
+            return {"ttft_s": None, "itl_s": None, "requests": 0}
+        out = {}
+        for key in ("ttft", "itl"):
+            b, c1 = last[1][key][0], last[1][key][1]
+            c0 = first[1][key][1]
+            diff = [a - z for a, z in zip(c1, c0)]
+            out[f"{key}_s"] = percentile(b, diff, q)
+        out["requests"] = int(last[1]["ttft"][2] - first[1]["ttft"][2])
+        return out
+
+    def slow(self, now: float, span: float) -> dict:
+        """Over the last `span` seconds: finished requests per second, mean prompt and output
+        tokens, mean time in the system and mean prefill time."""
+        first, last = self._pair(now, span)
+        if first is None or first is last:
+            return {"rate": 0.0, "seconds": 0.0}
+        a, z = first[1], last[1]
+        secs = last[0] - first[0]
+        n = z["requests"] - a["requests"]
+        e2e_n = z["e2e"][2] - a["e2e"][2]
+        pre_n = z["prefill"][2] - a["prefill"][2]
+        return {"seconds": round(secs, 1), "requests": int(n), "rate": n / secs if secs > 0 else 0.0,
+                "prompt_tokens": (z["prompt"] - a["prompt"]) / n if n else 0.0,
+                "output_tokens": (z["generated"] - a["generated"]) / n if n else 0.0,
+                "e2e_s": (z["e2e"][3] - a["e2e"][3]) / e2e_n if e2e_n else 0.0,
+                "prefill_s": (z["prefill"][3] - a["prefill"][3]) / pre_n if pre_n else 0.0}
+
+
+# ---- the planner in router 0 --------------------------------------------------------------------
+class Autoscaler:
+    """Runs `Planner` on a router: inputs from its dispatcher's views and its metrics, decisions
+    logged (logger pdcluster.autoscale, one JSON line each), counted and, in mode `on`, set as
+    the pools' targets (router.service.PoolTargets.set: what the Scale RPC does)."""
+
+    def __init__(self, config: ClusterConfig, service, targets, clock=time.monotonic) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.s = config.autoscale
+        self.service, self.targets, self.clock = service, targets, clock
+        self.pools = {p.name: p for p in config.pools}
+        self.planner = Planner(self.s, config.pools, applies=self.s.mode == "on")
+        self.window = Window(service.metrics, keep_s=max(self.s.window_s, self.s.slow_interval_s) + self.s.interval_s)
+        reg = service.metrics.registry
+        self.desired = Gauge("pdcluster_autoscale_desired_replicas", "replicas the SLA planner wants for the pool "
+                             "(in advisory mode too)", ["pool"], registry=reg)
+        self.decisions_total = Counter("pdcluster_autoscale_decisions", "SLA planner decisions (hold: an up wanted "
+                                       "but not made)", ["pool", "direction", "reason"], registry=reg)
+        self.lines: deque = deque(maxlen=256)   # (seq, JSON line) of the latest decisions
+        self.seq = 0
+        self.floors: dict[str, int] = {}
+        self._last_slow: float | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pdcluster-autoscale")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.interval_s)
+            try:
+                self.step()
+            except Exception as exc:  # the planner never takes the router down
+                log.warning("autoscale step: %s: %s", type(exc).__name__, exc)
+
+    def signals(self, now: float) -> dict[str, PoolSignal]:
+        fast = self.window.fast(now, self.s.window_s, self.s.slo.percentile)
+        status = self.targets.status.get("pools", {})
+        views = list(self.service.dispatcher.views.values())
+        out = {}
+        for name in self.s.pools:
+            serving = [v for v in views if v.pool == name and v.state == "serving"]
+            loads = [v.load for v in serving if v.load is not None]
+            pushed = status.get(name)
+            current = pushed["current"] if pushed is not None else len(serving)
+            steps = [ld.running_requests / ld.tokens_per_s for ld in loads
+                     if ld.running_requests and ld.tokens_per_s > 0]
+            kv = [(ld.total_pages - ld.free_pages) / ld.total_pages for ld in loads if ld.total_pages]
+            out[name] = PoolSignal(
+                target=self.targets.target(name), current=current,
+                running=sum(ld.running_requests for ld in loads), waiting=sum(ld.waiting_requests for ld in loads),
+                queued_tokens=sum(ld.queued_tokens for ld in loads), kv_used=sum(kv) / len(kv) if kv else 0.0,
+                step_itl_s=sum(steps) / len(steps) if steps else None,
+                ttft_s=fast["ttft_s"], itl_s=fast["itl_s"], requests=fast["requests"])
+        return out
+
+    def step(self) -> list[Decision]:
+        now = self.clock()
+        self.window.snapshot(now)
+        if self._last_slow is None:
+            self._last_slow = now
+        elif now - self._last_slow >= self.s.slow_interval_s:
+            stats = self.window.slow(now, self.s.slow_interval_s)
+            self.floors = self.planner.set_floors(stats)
+            self._last_slow = now
+            self._emit({"event": "autoscale_floor", "mode": self.s.mode, "window": stats, "floors": self.floors})
+        decisions = self.planner.tick(self.signals(now), now)
+        for name, n in self.planner.wanted.items():
+            self.desired.labels(pool=name).set(n)
+        for d in decisions:
+            applied = False
+            if d.direction in ("up", "down"):
+                if self.s.mode == "on":
+                    self.targets.set(d.pool, d.desired)
+                    applied = True
+            self.decisions_total.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
+            self._emit({"event": "autoscale", "mode": self.s.mode, **asdict(d), "applied": applied})
+        return decisions
+
+    def _emit(self, fields: dict) -> None:
+        line = json.dumps(fields, separators=(",", ":"))
+        self.seq += 1
+        self.lines.append((self.seq, line))
+        log.info("%s", line)
+
+    def since(self, seq: int) -> list[tuple[int, str]]:
+        return [(n, line) for n, line in self.lines if n > seq]
