@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.node import bind_host, node_address, normal_priority, ucx_net_devices
 from engine.heap import freeze_startup_heap, gc_pauses
 from engine.load import WorkerLoad
 
@@ -54,7 +55,7 @@ class WorkerSpec:
     @property
     def node(self) -> str:
         """The address of the node this runs on (asked in the actor's process)."""
-        return _node_address()
+        return node_address()
 
     def __call__(self):
         normal_priority()
@@ -66,14 +67,14 @@ class WorkerSpec:
         from kv_transfer.config import TransferConfig
 
         torch.set_num_threads(self.threads)  # the reserved whole CPUs (engine/loop.py applies it to its thread)
-        cfg = TransferConfig(host=_bind_host(self.local), deadline_s=self.deadline_s,
+        cfg = TransferConfig(host=bind_host(self.local), deadline_s=self.deadline_s,
                              begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret,
-                             ucx_net_devices=_ucx_net_devices(self.local))
+                             ucx_net_devices=ucx_net_devices(self.local))
         engine = self.engine.engine_kwargs()
         if engine.get("tensor_parallel_size", 1) > 1:
             from cluster.tp_group import RayFollowers
 
-            engine["tp_host"] = _bind_host(self.local)
+            engine["tp_host"] = bind_host(self.local)
             engine["tp_launcher"] = RayFollowers.launcher(resources=self.resources, local=self.local,
                                                           num_threads=self.threads, name=self.name)
         if self.role == "prefill":
@@ -109,7 +110,7 @@ class HostedWorker:
 
         self._worker = worker
         self._threads = torch.get_num_threads()
-        self._node = _node_address()
+        self._node = node_address()
         self._lost: str | None = None
         self.CALLS = worker.CALLS
         self._followers = getattr(worker.core, "_tp_followers", None)
@@ -173,79 +174,6 @@ class HostedWorker:
                     return
                 self._lost = self._lost or str(exc)
                 self._give_up()
-
-
-_PRIORITY_SAID = False
-
-
-def normal_priority() -> None:
-    """Run this process at normal priority (nice 0) for its whole life: every thread it has now
-    (Linux niceness is per thread; threads made later inherit their maker's). Ray starts its
-    workers at nice 15, where an engine step yields to any other process on the node. Raising
-    priority needs CAP_SYS_NICE: without it (a non-root pod) the process keeps the niceness it
-    has, and the log says so once."""
-    import logging
-
-    global _PRIORITY_SAID
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    refused = None
-    for tid in tids:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
-        except PermissionError as exc:
-            refused = exc
-        except OSError:  # a thread that has just ended
-            continue
-    if refused is not None and not _PRIORITY_SAID:
-        _PRIORITY_SAID = True
-        logging.getLogger(__name__).warning(
-            "cannot raise this worker's priority to nice 0 (%s; needs CAP_SYS_NICE): it keeps nice %d",
-            refused.strerror, os.getpriority(os.PRIO_PROCESS, 0))
-
-
-def _bind_host(local: bool) -> str:
-    return "127.0.0.1" if local else _node_address()
-
-
-def _node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def _ucx_net_devices(local: bool) -> str:
-    """UCX's devices for NIXL: loopback in a local cluster; on a node of a real cluster the
-    interface that holds the node's address (where the other nodes reach it), or "" (UCX picks)
-    when none does. UCX_NET_DEVICES set in the worker's environment wins over both."""
-    if local:
-        return "lo"
-    return _interface_of(_node_address())
-
-
-def _interface_of(ip: str) -> str:
-    """The network interface holding the IPv4 address `ip`, or "" (Linux: SIOCGIFADDR per interface)."""
-    import fcntl
-    import socket
-    import struct
-
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return ""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for name in names:
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
-            except OSError:  # no IPv4 address on it
-                continue
-            if addr == ip:
-                return name
-    return ""
 
 
 class RayActor:

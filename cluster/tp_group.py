@@ -11,7 +11,7 @@ say where the ranks run. The follower actors are owned by the leader's process: 
 with it, and `stop()` kills them first when the leader gives the group up (cluster.actors).
 
 Followers bind loopback in a local cluster, their node's address on a real one (as the
-leader's `tp_host`, cluster.actors._bind_host). Nothing here imports Ray or torch at module level.
+leader's `tp_host`, cluster.node.bind_host). Nothing here imports Ray or torch at module level.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ class FollowerActor:
     `run` occupies one thread for the group's life, `info` answers on the other)."""
 
     def __init__(self, local: bool, num_threads: int) -> None:
-        from cluster.actors import _bind_host, _node_address, normal_priority
+        from cluster.node import bind_host, node_address, normal_priority
 
         normal_priority()
-        self.host = _bind_host(local)
-        self.node = _node_address()
+        self.host = bind_host(local)
+        self.node = node_address()
         self.num_threads = num_threads
 
     def info(self) -> dict:

@@ -10,7 +10,7 @@ import pytest
 
 CHECK = """
 import logging, os, threading, time
-from cluster.actors import normal_priority
+from cluster.node import normal_priority
 logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 os.nice(15)  # as Ray starts its workers
 early = threading.Thread(target=time.sleep, args=(2,))  # a thread Ray made before the build
