@@ -1,6 +1,7 @@
 """The planning loop on the real cluster: a served profile of the tiny model (decode steps and
 the first token's delay timed through a local Ray cluster), then `plan validate` simulating a
-case and running it for real, both sides on the same requests."""
+case and running it for real, both sides on the same requests (slow: ~2 minutes on 2 cores; the
+served profile's test keeps the loop through the cluster in the default run)."""
 import json
 import statistics
 
@@ -36,6 +37,7 @@ def test_served_profile_times_decode_through_the_cluster(served_profile):
                                                                                   load["load_other"], 2.0)
 
 
+@pytest.mark.slow
 def test_validate_predicts_and_measures_the_same_requests(served_profile, tmp_path, capsys):
     out = tmp_path / "validate.json"
     rc = main(["plan", "validate", "--model", "tiny", "--profile", str(served_profile), "--cases", "disagg-low",
