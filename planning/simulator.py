@@ -73,8 +73,12 @@ class _View:
 
 
 class Simulator:
-    def __init__(self, cluster: SimCluster) -> None:
+    """`exact_steps`: every decode step its own event, as before runs of decode steps were
+    planned at once (EngineSim._plan_run); the two give identical records, this one slower."""
+
+    def __init__(self, cluster: SimCluster, exact_steps: bool = False) -> None:
         self.cluster = cluster
+        self.now = 0.0
         self.prefills: list[_View] = []
         self.decodes: list[_View] = []
         self._order: list[_View] = []
@@ -88,6 +92,9 @@ class Simulator:
         for v in self._order:
             v.worker.load_per_stream = cluster.load_same
             v.worker.load_base = cluster.load_base
+            v.worker.fast = not exact_steps
+            v.worker.clock = self._clock
+            v.worker.on_step = self._on_step
         other_prefill = cluster.load_other if cluster.load_other_prefill is None else cluster.load_other_prefill
         if cluster.host_interference or cluster.load_other or other_prefill:
             by_host: dict[str, list[EngineSim]] = {}
@@ -119,6 +126,13 @@ class Simulator:
         self._queue: deque[SimRequest] = deque()
 
     # ---- the event loop ---------------------------------------------------------------------
+    def _clock(self) -> float:
+        return self.now
+
+    def _on_step(self, worker: EngineSim, end: float) -> None:
+        """A worker's run of decode steps was cut short: its step in flight ends at `end`."""
+        self._push(end, 1, self._view[worker])
+
     def run(self, workload: Workload, max_concurrency: int | None = None) -> SimResult:
         import time
 
@@ -147,15 +161,21 @@ class Simulator:
                 req = arrivals[next_arrival]
                 next_arrival += 1
                 self._next_arrival = arrivals[next_arrival].arrival if next_arrival < n_arrivals else math.inf
-                now = req.arrival
+                now = self.now = req.arrival
                 self._arrive(req, now)
                 continue
             now, _, kind, obj = pop(events)
+            self.now = now
             if kind == 1:
                 self._step_done(obj, now)
+            elif kind == 5:  # the end of a run of decode steps, unless it was cut short
+                if obj[0].worker.step is obj[1]:
+                    self._step_done(obj[0], now)
             elif kind == 2:
                 self._kv_done(obj, now)
             elif kind == 4:
+                if obj.worker.run is not None:  # (a run: its step in flight is the next step boundary)
+                    obj.worker.sync()
                 if not obj.worker.busy:
                     self._admit_queued_pages(obj, now)
             else:
@@ -181,9 +201,13 @@ class Simulator:
 
     def _start_step(self, view: _View, now: float) -> None:
         view.kick_pending = False
-        end = view.worker.start_step(now)
+        w = view.worker
+        end = w.start_step(now)
         if end is not None:
-            self._push(end, 1, view)
+            if w.run is not None:
+                self._push(end, 5, (view, w.step))
+            else:
+                self._push(end, 1, view)
 
     # ---- router: admission and placement ------------------------------------------------------
     def _arrive(self, req: SimRequest, now: float) -> None:
@@ -374,5 +398,6 @@ def _worker_stats(w: EngineSim, end: float) -> dict:
             "cached_prompt_tokens": w.cached_tokens, "computed_prompt_tokens": w.computed_prompt_tokens}
 
 
-def simulate(cluster: SimCluster, workload: Workload, max_concurrency: int | None = None) -> SimResult:
-    return Simulator(cluster).run(workload, max_concurrency)
+def simulate(cluster: SimCluster, workload: Workload, max_concurrency: int | None = None,
+             exact_steps: bool = False) -> SimResult:
+    return Simulator(cluster, exact_steps).run(workload, max_concurrency)
