@@ -30,7 +30,6 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_hash import page_hashes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, KVEvent
 from engine.request import Request, RequestStatus
@@ -85,13 +84,20 @@ class SimRequest:
 
     def page_hashes(self, page_size: int) -> list[int]:
         """The prompt's chained page hashes, once per page size (the prefill and the decode worker
-        would each hash their own copy, to the same values). Pages within the shared blocks get
-        the engine's own hashes (engine.block_hash); a page with any token of this request's own
-        can never match another request's, so it gets a cheap value unique to the request."""
+        would each hash their own copy, to the same values). A hash only has to name a page's
+        content and everything before it: for a page within the shared blocks that is the
+        chained key of the block holding its last token (which names every block before it)
+        and the page's position, so it gets the value ((key + 1) << 24) + page, equal for equal
+        prefixes and different otherwise, as the engine's blake2b hashes are (engine.block_hash;
+        hashing 145 M prompt tokens' pages with it was a fifth of a Mooncake hour's simulation).
+        A page with any token of this request's own can never match another request's, so it
+        gets a value unique to the request (at or above 2**64, apart from both). The scheduler
+        hashes output pages with the engine's own function, chained from these."""
         hashes = self._hashes.get(page_size)
         if hashes is None:
-            shared_pages = min(len(self.block_keys) * self.block_tokens, self.prompt_len) // page_size
-            hashes = page_hashes(self.token_ids()[: shared_pages * page_size], page_size)
+            bt, keys = self.block_tokens, self.block_keys
+            shared_pages = min(len(keys) * bt, self.prompt_len) // page_size
+            hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
             own = (_PRIVATE + self.index) << 24
             hashes += range(own + shared_pages, own + self.prompt_len // page_size)
             self._hashes[page_size] = hashes
