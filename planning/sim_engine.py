@@ -228,6 +228,7 @@ class EngineSim:
         self.fast = True
         self.clock: Callable[[], float] = lambda: 0.0
         self.run: _Run | None = None
+        self.trace: list | None = None  # set to a list to record every step: (start, ((request id, new tokens), ...))
         self.on_step: Callable[[EngineSim, float], None] = lambda worker, end: None  # a run cut short: its step in flight ends then
         self.last_step_start = 0.0
         self.last_step_s = 0.0
@@ -401,6 +402,8 @@ class EngineSim:
                 f = self.slowdown(bool(chunks), dur * f)
             dur *= f
         self.last_step_s = dur
+        if self.trace is not None:
+            self.trace.append((now, tuple((e.request_id, n) for e, n in zip(batch.requests, batch.num_new_tokens))))
         self.step = _Step(now, now + dur, batch, bool(chunks), num_dec)
         self.steps += 1
         self.busy_s += dur
@@ -555,6 +558,9 @@ class EngineSim:
             sim.token_times.extend(times)
         b = len(reqs)
         started = n_alloc
+        if self.trace is not None:
+            shape = tuple((e.request_id, 1) for e in reqs)
+            self.trace.extend(((run.ends[s - 1] if s else run.start), shape) for s in range(started))
         for dur in run.durs[:started]:
             self.busy_s += dur
         self.steps += started
