@@ -91,14 +91,17 @@ class SimRequest:
         prefixes and different otherwise, as the engine's blake2b hashes are (engine.block_hash;
         hashing 145 M prompt tokens' pages with it was a fifth of a Mooncake hour's simulation).
         A page with any token of this request's own can never match another request's, so it
-        gets a value unique to the request (at or above 2**64, apart from both). The scheduler
-        hashes output pages with the engine's own function, chained from these."""
+        gets a value unique to the request, (1 << 63) + (index << 24) + page, apart from the
+        shared ones (below 2**63). All stay below 2**64: the scheduler hashes output pages with
+        the engine's own function, chained from these, and that takes a 64-bit parent (the
+        earlier (2**40 + index) << 24 overflowed it as soon as a prompt with a private tail
+        decoded past a page on a worker with the prefix cache on)."""
         hashes = self._hashes.get(page_size)
         if hashes is None:
             bt, keys = self.block_tokens, self.block_keys
             shared_pages = min(len(keys) * bt, self.prompt_len) // page_size
             hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
-            own = (_PRIVATE + self.index) << 24
+            own = (1 << 63) + (self.index << 24)
             hashes += range(own + shared_pages, own + self.prompt_len // page_size)
             self._hashes[page_size] = hashes
         return hashes
