@@ -231,6 +231,8 @@ class EngineSim:
         self.fast = True
         self.clock: Callable[[], float] = lambda: 0.0
         self.run: _Run | None = None
+        self._run_skip = 0     # ordinary steps to take before planning a run again (speed only)
+        self._run_backoff = 0
         self.trace: list | None = None  # set to a list to record every step: (start, ((request id, new tokens), ...))
         self.on_step: Callable[[EngineSim, float], None] = lambda worker, end: None  # a run cut short: its step in flight ends then
         self.last_step_start = 0.0
@@ -379,9 +381,12 @@ class EngineSim:
         if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
             return None  # (finishing: called back from inside finish_step; its owner starts the next)
         if self.fast and self.slowdown is None:
-            end = self._plan_run(now)
-            if end is not None:
-                return end
+            if self._run_skip:  # recent runs were cut at once (a join or an admission every step)
+                self._run_skip -= 1
+            else:
+                end = self._plan_run(now)
+                if end is not None:
+                    return end
         batch = self.scheduler.schedule()
         for eng in batch.preempted:
             self._requests[eng.request_id].preemptions += 1
@@ -523,10 +528,19 @@ class EngineSim:
 
     def sync(self) -> None:
         """Something reaches this worker now, inside a run: apply the steps done by now and turn
-        the one running into an ordinary step (`on_step` is told its end); the run ends there."""
+        the one running into an ordinary step (`on_step` is told its end); the run ends there.
+        A run cut in its first steps makes the next runs wait (planning one costs about a step;
+        where something arrives every step, none would last): which steps go in runs changes
+        only the speed, never a result."""
         run = self.run
         if run is not None:
-            self._apply_run(run.started(self.clock()) - 1, True)
+            j = run.started(self.clock()) - 1
+            if j < 2:
+                self._run_backoff = min(2 * self._run_backoff + 1, 32)
+                self._run_skip = self._run_backoff
+            else:
+                self._run_backoff = 0
+            self._apply_run(j, True)
 
     def _finish_run(self) -> float:
         run = self.run
