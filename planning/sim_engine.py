@@ -232,6 +232,7 @@ class EngineSim:
         self.clock: Callable[[], float] = lambda: 0.0
         self.run: _Run | None = None
         self._run_skip = 0     # ordinary steps to take before planning a run again (speed only)
+        self._run_len = 16     # steps to plan next: twice what the last run lasted (speed only)
         self._run_backoff = 0
         self.trace: list | None = None  # set to a list to record every step: (start, ((request id, new tokens), ...))
         self.on_step: Callable[[EngineSim, float], None] = lambda worker, end: None  # a run cut short: its step in flight ends then
@@ -466,7 +467,7 @@ class EngineSim:
         if not b or b > sched.max_num_batched_tokens:
             return None
         sims = []
-        m = MAX_RUN
+        m = self._run_len
         for eng in reqs:
             computed = eng.num_computed_tokens
             sim = self._requests[eng.request_id]
@@ -540,10 +541,13 @@ class EngineSim:
                 self._run_skip = self._run_backoff
             else:
                 self._run_backoff = 0
+            self._run_len = max(8, 2 * (j + 1))
             self._apply_run(j, True)
 
     def _finish_run(self) -> float:
         run = self.run
+        self._run_backoff = 0
+        self._run_len = min(MAX_RUN, 2 * len(run.ends))
         self._apply_run(len(run.ends), False)
         return run.ends[-1]
 
