@@ -100,6 +100,7 @@ class SearchSpace:
     decode_limits: EngineLimits = field(default_factory=lambda: EngineLimits(16, 1, 8192, 256))
     transport: str = "nixl"
     max_inflight: int = 1 << 16
+    exact_steps: bool = False       # simulate every decode step as its own event (validation; slower)
 
 
 # ---- goodput of one simulated cluster --------------------------------------------------------
@@ -123,15 +124,29 @@ def rescale(workload: Workload, rate: float, min_span_s: float = 0.0) -> Workloa
     return Workload(out, workload.block_tokens, workload.name, dict(workload.meta, request_rate=rate))
 
 
-def evaluate(cluster: SimCluster, workload: Workload, slo: dict[str, float], rate: float) -> float:
+def max_misses(n: int, target: float) -> int:
+    """The most requests of n that may miss an SLO with the attainment still >= target."""
+    m = max(int(n * (1.0 - target)) + 2, 0)
+    while m > 0 and (n - m) / n < target:
+        m -= 1
+    return m if (n - m) / n >= target else -1
+
+
+def evaluate(cluster: SimCluster, workload: Workload, slo: dict[str, float], rate: float,
+             target: float | None = None) -> float:
     """SLO attainment at an offered rate. A short trace offered too fast only queues and
     drains, so the trace is replayed until its arrivals span SPAN_OVER_LATENCY median
-    latencies: a backlog that grows shows up as missed SLOs."""
+    latencies: a backlog that grows shows up as missed SLOs. With `target`, that replay stops
+    as soon as more requests have missed than the target allows (an overloaded cluster's
+    verdict is known long before its backlog drains); the attainment returned is then below
+    the target (requests left unfinished count as misses), as the whole replay's would be."""
     res = simulate(cluster, rescale(workload, rate))
     e2e = sorted(r.e2e_s for r in res.records if r.ok)
     need = SPAN_OVER_LATENCY * (e2e[len(e2e) // 2] if e2e else 0.0)
     if need > len(workload.requests) / rate:
-        res = simulate(cluster, rescale(workload, rate, need))
+        long = rescale(workload, rate, need)
+        stop = None if target is None else (slo, max_misses(len(long.requests), target))
+        res = simulate(cluster, long, stop_after_misses=stop)
     return sum(meets_slo(r, slo) for r in res.records) / len(res.records)
 
 
@@ -140,19 +155,19 @@ def max_goodput(cluster: SimCluster, workload: Workload, slo: dict[str, float], 
     """Goodput: the highest offered rate with attainment >= target, times that attainment;
     found by doubling the rate until attainment fails, then bisecting in log space."""
     best, lo, hi = 0.0, 0.0, start_rate
-    while (att := evaluate(cluster, workload, slo, hi)) >= target:
+    while (att := evaluate(cluster, workload, slo, hi, target)) >= target:
         best, lo, hi = hi * att, hi, hi * 2
         if hi > start_rate * 2 ** 12:
             return best
     if lo == 0.0:
         lo = hi / 2 ** 10
-        att = evaluate(cluster, workload, slo, lo)
+        att = evaluate(cluster, workload, slo, lo, target)
         if att < target:
             return 0.0
         best = lo * att
     for _ in range(iters):
         mid = math.sqrt(lo * hi)
-        att = evaluate(cluster, workload, slo, mid)
+        att = evaluate(cluster, workload, slo, mid, target)
         if att >= target:
             lo, best = mid, mid * att
         else:
@@ -184,7 +199,7 @@ def instance_goodput(role: str, inst: Instance, space: SearchSpace, workload: Wo
     else:
         pools = [_pool("colocated", 1, inst, space.decode_limits)]
     cluster = SimCluster(pools, policy="least-loaded", max_inflight=space.max_inflight, max_queue=1 << 30,
-                         transport=space.transport)
+                         transport=space.transport, exact_steps=space.exact_steps)
     return max_goodput(cluster, workload, slo, target, start_rate)
 
 
@@ -219,13 +234,46 @@ def enumerate_plans(space: SearchSpace, capacity: dict[tuple[str, int], float]) 
 def plan_cluster(plan: Plan, space: SearchSpace) -> SimCluster:
     limits = {"prefill": space.prefill_limits, "decode": space.decode_limits, "colocated": space.decode_limits}
     return SimCluster([_pool(role, n, inst, limits[role]) for role, n, inst in plan.pools], policy="prefix-aware",
-                      max_inflight=space.max_inflight, max_queue=1 << 30, transport=space.transport)
+                      max_inflight=space.max_inflight, max_queue=1 << 30, transport=space.transport,
+                      exact_steps=space.exact_steps)
+
+
+def _verify(plan: Plan, space: SearchSpace, workload: Workload, slo: dict[str, float], target: float,
+            rate: float) -> tuple[float, float]:
+    cluster = plan_cluster(plan, space)
+    goodput = max_goodput(cluster, workload, slo, target, max(plan.estimate, rate * 0.1))
+    recs = simulate(cluster, workload).records
+    return goodput, sum(meets_slo(r, slo) for r in recs) / len(recs)
+
+
+def _map(fn, args: list[tuple], jobs: int):
+    """fn(*a) for each a, in order, over `jobs` processes (1: here); yields as they complete, in order."""
+    if jobs <= 1 or len(args) <= 1:
+        for a in args:
+            yield fn(*a)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    with ProcessPoolExecutor(max_workers=min(jobs, len(args)), mp_context=ctx) as pool:
+        for f in [pool.submit(fn, *a) for a in args]:
+            yield f.result()
+
+
+def default_jobs() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def search(space: SearchSpace, workload: Workload, slo: dict[str, float], *, target: float = 0.9,
-           objective: str = "per-dollar", verify: int = 6, progress: Callable[[str], None] = lambda s: None) -> list[Plan]:
+           objective: str = "per-dollar", verify: int = 6, progress: Callable[[str], None] = lambda s: None,
+           jobs: int = 1) -> list[Plan]:
     """Ranked plans (verified ones first, by the objective). `workload` carries the rate the
-    user serves; its attainment is reported for every verified plan."""
+    user serves; its attainment is reported for every verified plan. `jobs`: simulations run
+    in that many processes at once (instance capacities, then verifications); the result does
+    not depend on it."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if not 0 < target <= 1:
@@ -240,17 +288,17 @@ def search(space: SearchSpace, workload: Workload, slo: dict[str, float], *, tar
     roles = (("prefill", "decode") if "disaggregated" in space.modes else ()) + \
         (("colocated",) if "colocated" in space.modes else ())
     capacity = {}
-    for i, inst in enumerate(space.instances):
-        for role in roles:
-            capacity[(role, i)] = instance_goodput(role, inst, space, workload, slo, target, rate)
-            progress(f"instance {role:<9} {inst.label:<12} goodput {capacity[(role, i)]:.3f} req/s")
+    keys = [(role, i) for i in range(len(space.instances)) for role in roles]
+    args = [(role, space.instances[i], space, workload, slo, target, rate) for role, i in keys]
+    for (role, i), cap in zip(keys, _map(instance_goodput, args, jobs)):
+        capacity[(role, i)] = cap
+        progress(f"instance {role:<9} {space.instances[i].label:<12} goodput {cap:.3f} req/s")
     plans = [p for p in enumerate_plans(space, capacity) if p.estimate > 0]
     plans.sort(key=lambda p: (-p.score(objective), p.price_per_hour, p.gpus))
-    for p in _diverse(plans, verify):
-        cluster = plan_cluster(p, space)
-        p.goodput = max_goodput(cluster, workload, slo, target, max(p.estimate, rate * 0.1))
-        recs = simulate(cluster, workload).records
-        p.attainment = sum(meets_slo(r, slo) for r in recs) / len(recs)
+    picked = _diverse(plans, verify)
+    for p, (goodput, attainment) in zip(picked, _map(_verify, [(p, space, workload, slo, target, rate)
+                                                                for p in picked], jobs)):
+        p.goodput, p.attainment = goodput, attainment
         p.verified = True
         progress(f"verified  {p.describe():<40} goodput {p.goodput:.3f} req/s (estimate {p.estimate:.3f})")
     plans.sort(key=lambda p: (not p.verified, -p.score(objective), p.price_per_hour, p.gpus))

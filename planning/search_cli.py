@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", default="per-dollar", choices=("goodput", "per-gpu", "per-dollar"))
     p.add_argument("--verify", type=int, default=6, help=">= 0 best plans to simulate end to end")
     p.add_argument("--top", type=int, default=15, help="rows to print")
+    p.add_argument("--jobs", type=int, default=None,
+                   help=">= 1 simulations at once, in processes (default: the CPUs this process may use)")
+    p.add_argument("--exact-steps", action="store_true",
+                   help="simulate every decode step as its own event (the same plans, slower; for validation)")
     p.add_argument("--max-model-len", type=int, default=8192, help="for length fitting (default 8192)")
     add_workload_arguments(p)
     p.set_defaults(num_requests=1000)
@@ -96,12 +100,12 @@ def build_space(args: argparse.Namespace, shape):
                                       pages, gpu.price_per_hour * tp))
     if not instances:
         raise ValueError("the model fits on none of the inventory's GPUs at the given --tp degrees")
-    return SearchSpace(instances, inventory, max_gpus, modes)
+    return SearchSpace(instances, inventory, max_gpus, modes, exact_steps=args.exact_steps)
 
 
 def run(args: argparse.Namespace) -> int:
     from loadgen.workload_args import validate_workload_arguments, workload_from_args
-    from planning.search import pareto_front, search
+    from planning.search import default_jobs, pareto_front, search
     from planning.simulate_cli import load_shape
 
     try:
@@ -110,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--goodput needs at least one SLO, e.g. --goodput ttft:2000 tpot:100")
         if not 0 < args.attainment <= 1:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         if args.verify < 0 or args.top < 1:
             raise ValueError(f"--verify must be >= 0 and --top >= 1, got {args.verify}, {args.top}")
         shape = load_shape(args.model_shape)
@@ -119,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdcluster plan search: {exc}", file=sys.stderr)
         return 2
     log = (lambda s: None) if getattr(args, "quiet", False) else (lambda s: print("  " + s, flush=True))
-    plans = search(space, wl, slo, target=args.attainment, objective=args.objective, verify=args.verify, progress=log)
+    plans = search(space, wl, slo, target=args.attainment, objective=args.objective, verify=args.verify, progress=log,
+                   jobs=args.jobs or default_jobs())
     print(format_table(plans[: args.top], slo, args.attainment, wl))
     if args.json:
         Path(args.json).write_text(json.dumps({"slo_ms": slo, "attainment_target": args.attainment,

@@ -26,10 +26,10 @@ the `on_sampled` callback's business.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.block_hash import page_hashes
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, KVEvent
 from engine.request import Request, RequestStatus
@@ -84,14 +84,24 @@ class SimRequest:
 
     def page_hashes(self, page_size: int) -> list[int]:
         """The prompt's chained page hashes, once per page size (the prefill and the decode worker
-        would each hash their own copy, to the same values). Pages within the shared blocks get
-        the engine's own hashes (engine.block_hash); a page with any token of this request's own
-        can never match another request's, so it gets a cheap value unique to the request."""
+        would each hash their own copy, to the same values). A hash only has to name a page's
+        content and everything before it: for a page within the shared blocks that is the
+        chained key of the block holding its last token (which names every block before it)
+        and the page's position, so it gets the value ((key + 1) << 24) + page, equal for equal
+        prefixes and different otherwise, as the engine's blake2b hashes are (engine.block_hash;
+        hashing 145 M prompt tokens' pages with it was a fifth of a Mooncake hour's simulation).
+        A page with any token of this request's own can never match another request's, so it
+        gets a value unique to the request, (1 << 63) + (index << 24) + page, apart from the
+        shared ones (below 2**63). All stay below 2**64: the scheduler hashes output pages with
+        the engine's own function, chained from these, and that takes a 64-bit parent (the
+        earlier (2**40 + index) << 24 overflowed it as soon as a prompt with a private tail
+        decoded past a page on a worker with the prefix cache on)."""
         hashes = self._hashes.get(page_size)
         if hashes is None:
-            shared_pages = min(len(self.block_keys) * self.block_tokens, self.prompt_len) // page_size
-            hashes = page_hashes(self.token_ids()[: shared_pages * page_size], page_size)
-            own = (_PRIVATE + self.index) << 24
+            bt, keys = self.block_tokens, self.block_keys
+            shared_pages = min(len(keys) * bt, self.prompt_len) // page_size
+            hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
+            own = (1 << 63) + (self.index << 24)
             hashes += range(own + shared_pages, own + self.prompt_len // page_size)
             self._hashes[page_size] = hashes
         return hashes
@@ -170,6 +180,30 @@ class _Step:
     decodes: int = 0        # sequences decoding in it (what slows a neighbour down under load)
 
 
+MAX_RUN = 512  # decode steps planned at once (a run cut short wastes its planning)
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Decode steps planned at once: the batch cannot change before one of its requests
+    finishes or something from outside reaches the worker, so each step's batch and time are
+    known in advance. Nothing is applied to the engine until the run ends or is interrupted
+    (`EngineSim.sync`); then every page the steps took and registered is taken and registered
+    through the KV manager's own calls, in the order the step-by-step path makes them."""
+    start: float
+    ends: list          # end time of each step
+    durs: list          # each step's time
+    reqs: list          # the running engine requests, in batch order
+    sims: list          # their SimRequests
+    c0: list            # their computed tokens when the run began
+    events: list        # (step, 0 = take a page | 1 = register full pages, request position), in order
+    allocs_by_step: list  # pages taken by the steps up to and including each
+
+    def started(self, t: float) -> int:
+        """Steps started by time `t` (steps ending before `t` are done, the next one is running)."""
+        return min(bisect.bisect_left(self.ends, t) + 1, len(self.ends))
+
+
 class EngineSim:
     """A worker's engine. `on_sampled(worker, request, now)` is called when a request samples
     its first token here (from its prompt) or its last (`output_len` reached), after the step's
@@ -192,6 +226,16 @@ class EngineSim:
         # x (1 + this) on a step that only decodes: what a lone stream pays under that load
         self.load_base = 0.0
         self.step: _Step | None = None
+        # Runs of decode steps (`_plan_run`): on unless the owner asks for the exact step-by-step
+        # path. `clock()` is the owner's simulated time (what a run's state is read at).
+        self.fast = True
+        self.clock: Callable[[], float] = lambda: 0.0
+        self.run: _Run | None = None
+        self._run_skip = 0     # ordinary steps to take before planning a run again (speed only)
+        self._run_len = 16     # steps to plan next: twice what the last run lasted (speed only)
+        self._run_backoff = 0
+        self.trace: list | None = None  # set to a list to record every step: (start, ((request id, new tokens), ...))
+        self.on_step: Callable[[EngineSim, float], None] = lambda worker, end: None  # a run cut short: its step in flight ends then
         self.last_step_start = 0.0
         self.last_step_s = 0.0
         self.finishing = False
@@ -219,7 +263,12 @@ class EngineSim:
 
     @property
     def free_pages(self) -> int:
-        return self.kv.num_free_pages
+        run = self.run
+        if run is None:
+            return self.kv.num_free_pages
+        # a planned run's pages as the step-by-step path would have them now: every page taken
+        # by the steps started so far (pages are taken when a step is scheduled, none given back)
+        return self.kv.num_free_pages - run.allocs_by_step[run.started(self.clock()) - 1]
 
     @property
     def preemptions(self) -> int:
@@ -273,17 +322,20 @@ class EngineSim:
         """Prompt tokens a new request would take from this worker's prefix cache now."""
         if not req.block_keys:
             return 0
+        self.sync()
         return len(self.kv.find_cached_prefix(self._engine_request(req))) * self.limits.page_size
 
     # ---- what the owner does ----------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
         """Queue a request whose prompt is computed here (a prefill worker's runs to its first
         token and then holds its pages until `release_held`)."""
+        self.sync()
         self.scheduler.add(self._engine_request(req))
 
     def reserve(self, req: SimRequest, reserve_pages: int = 0) -> bool:
         """Allocate the pages a request's transferred prompt will fill (keeping `reserve_pages`
         free); False, with nothing kept, when they are short."""
+        self.sync()
         if self.kv.num_free_pages - self.limits.pages_for(req.prompt_len) < reserve_pages:
             return False
         eng = self._engine_request(req)
@@ -296,10 +348,12 @@ class EngineSim:
     def join(self, req: SimRequest) -> None:
         """The reserved request's KV arrived, with its first token sampled elsewhere: it joins
         the batch at the next step with a free sequence slot."""
+        self.sync()
         self.scheduler.kv_received(self._engine[req.index], 0)
 
     def drop(self, req: SimRequest) -> None:
         """End a request here (its pages come back), e.g. a one-token answer whose KV arrived."""
+        self.sync()
         eng = self._engine.get(req.index)
         if eng is not None:
             self.scheduler.abort(eng)
@@ -307,15 +361,33 @@ class EngineSim:
 
     def release_held(self, req: SimRequest) -> None:
         """A finished prefill request's transfer ended: its pages come back."""
+        self.sync()
         eng = self._engine.get(req.index)
         if eng is not None and self.scheduler.release(eng):
             self._forget(eng)
 
     # ---- one step ---------------------------------------------------------------------------
+    def _duration(self, chunks: list, num_dec: int, ctx: int) -> float:
+        """A step's time before neighbours' slowdown (the one formula both paths use)."""
+        dur = self.latency.step_time(chunks, num_dec, ctx)
+        if self.load_per_stream and num_dec > 1:
+            dur *= 1.0 + self.load_per_stream * (num_dec - 1)
+        if self.load_base and num_dec and not chunks:
+            dur *= 1.0 + self.load_base
+        return dur
+
     def start_step(self, now: float) -> float | None:
-        """Schedule a step if there is work and none is running; returns its end time."""
+        """Schedule a step if there is work and none is running; returns its end time (with
+        `fast` on, the end of a run of decode steps planned at once: `_plan_run`)."""
         if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
             return None  # (finishing: called back from inside finish_step; its owner starts the next)
+        if self.fast and self.slowdown is None:
+            if self._run_skip:  # recent runs were cut at once (a join or an admission every step)
+                self._run_skip -= 1
+            else:
+                end = self._plan_run(now)
+                if end is not None:
+                    return end
         batch = self.scheduler.schedule()
         for eng in batch.preempted:
             self._requests[eng.request_id].preemptions += 1
@@ -330,11 +402,7 @@ class EngineSim:
                 ctx += computed + 1
             else:
                 chunks.append((n, computed))
-        dur = self.latency.step_time(chunks, num_dec, ctx)
-        if self.load_per_stream and num_dec > 1:
-            dur *= 1.0 + self.load_per_stream * (num_dec - 1)
-        if self.load_base and num_dec and not chunks:
-            dur *= 1.0 + self.load_base
+        dur = self._duration(chunks, num_dec, ctx)
         if self.slowdown is not None:
             # the factor depends on the step's length (how much of it a neighbour's streams
             # overlap); one refinement on the slowed length is enough
@@ -343,6 +411,8 @@ class EngineSim:
                 f = self.slowdown(bool(chunks), dur * f)
             dur *= f
         self.last_step_s = dur
+        if self.trace is not None:
+            self.trace.append((now, tuple((e.request_id, n) for e, n in zip(batch.requests, batch.num_new_tokens))))
         self.step = _Step(now, now + dur, batch, bool(chunks), num_dec)
         self.steps += 1
         self.busy_s += dur
@@ -352,6 +422,8 @@ class EngineSim:
 
     def finish_step(self) -> float:
         """Apply the running step's effects; returns its end time."""
+        if self.run is not None:
+            return self._finish_run()
         step, self.step = self.step, None
         self.last_step_start = step.start
         now = step.end
@@ -376,6 +448,155 @@ class EngineSim:
                 self._forget(eng)
             if generated == 1 or generated >= req.output_len:
                 self.on_sampled(self, req, now)
+
+    # ---- runs of decode steps ------------------------------------------------------------------
+    def _plan_run(self, now: float) -> float | None:
+        """Plan the steps from `now` on as one run when every running request decodes (one token
+        each, all in one batch), nothing waits to be admitted or to join, and at least two steps
+        pass before a request finishes or pages run out. Returns the run's end, or None for a
+        single ordinary step. Exactness: the step-by-step path would schedule exactly these
+        batches (the scheduler's inputs change only through this worker's methods, each of which
+        calls `sync` first, or through a step that samples a first or last token, which ends the
+        run), and its step times are the same function of the same batch, summed in the same
+        order."""
+        sched = self.scheduler
+        if sched.waiting or sched.ready:
+            return None
+        reqs = sched.running
+        b = len(reqs)
+        if not b or b > sched.max_num_batched_tokens:
+            return None
+        sims = []
+        m = self._run_len
+        for eng in reqs:
+            computed = eng.num_computed_tokens
+            sim = self._requests[eng.request_id]
+            p = eng.params
+            if (computed != len(eng.all_token_ids) - 1 or computed < eng.num_prompt_tokens or sim.generated < 1
+                    or sim.cached < 0 or eng.detokenizer is not None or p.stop_token_ids or not p.ignore_eos):
+                return None
+            # the last step that samples no final token: a finishing step goes the ordinary way
+            m = min(m, p.max_tokens - eng.num_output_tokens - 1, eng.max_total_tokens - computed - 2,
+                    sim.output_len - sim.generated - 1)
+            sims.append(sim)
+        if m < 2:
+            return None
+        ps = self.kv.page_size
+        caching = self.kv.pool.enable_prefix_caching
+        events = []
+        c0 = []
+        for i, eng in enumerate(reqs):
+            c = eng.num_computed_tokens
+            c0.append(c)
+            s = len(eng.pages) * ps - c  # the first step whose token needs a new page
+            if s < 0:
+                return None
+            while s < m:
+                events.append((s, 0, i))
+                s += ps
+            if caching:  # the steps whose token fills a page (registered at the step's end)
+                s = max(0, (eng.num_cached_pages_registered + 1) * ps - c - 1)
+                while s < m:
+                    events.append((s, 1, i))
+                    s = ((c + s + 1) // ps + 1) * ps - c - 1
+        counts = [0] * m
+        for s, phase, _ in events:
+            if not phase:
+                counts[s] += 1
+        free = self.kv.num_free_pages
+        allocs_by_step, total = [], 0
+        for s, n in enumerate(counts):
+            total += n
+            if total > free:  # this step would preempt: the run stops before it
+                m = s
+                break
+            allocs_by_step.append(total)
+        if m < 2:
+            return None
+        events = sorted(e for e in events if e[0] < m)
+        ctx = sum(c0) + b
+        durs, ends = [], []
+        t = now
+        for _ in range(m):
+            dur = self._duration([], b, ctx)
+            t = t + dur
+            durs.append(dur)
+            ends.append(t)
+            ctx += b
+        self.run = _Run(now, ends, durs, list(reqs), sims, c0, events, allocs_by_step)
+        self.step = _Step(now, t, None, False, b)
+        return t
+
+    def sync(self) -> None:
+        """Something reaches this worker now, inside a run: apply the steps done by now and turn
+        the one running into an ordinary step (`on_step` is told its end); the run ends there.
+        A run cut in its first steps makes the next runs wait (planning one costs about a step;
+        where something arrives every step, none would last): which steps go in runs changes
+        only the speed, never a result."""
+        run = self.run
+        if run is not None:
+            j = run.started(self.clock()) - 1
+            if j < 2:
+                self._run_backoff = min(2 * self._run_backoff + 1, 32)
+                self._run_skip = self._run_backoff
+            else:
+                self._run_backoff = 0
+            self._run_len = max(8, 2 * (j + 1))
+            self._apply_run(j, True)
+
+    def _finish_run(self) -> float:
+        run = self.run
+        self._run_backoff = 0
+        self._run_len = min(MAX_RUN, 2 * len(run.ends))
+        self._apply_run(len(run.ends), False)
+        return run.ends[-1]
+
+    def _apply_run(self, j: int, running: bool) -> None:
+        """Apply the run's first `j` steps; with `running`, also schedule step j (its pages) as
+        the ordinary step in flight."""
+        run, self.run = self.run, None
+        kv = self.kv
+        reqs, c0 = run.reqs, run.c0
+        zeros = [0] * j
+        for eng in reqs:
+            eng.all_token_ids.extend(zeros)  # the tokens the steps sampled (the simulator samples 0)
+        n_alloc = j + 1 if running else j
+        for s, phase, i in run.events:
+            if s >= n_alloc:
+                break
+            eng = reqs[i]
+            if phase == 0:
+                eng.num_computed_tokens = c0[i] + s
+                if not kv.allocate(eng, 1):
+                    raise AssertionError("a planned run ran out of pages")
+            elif s < j:
+                eng.num_computed_tokens = c0[i] + s + 1
+                kv.cache_full_pages(eng)
+        times = run.ends[:j]
+        for eng, sim, c in zip(reqs, run.sims, c0):
+            eng.num_computed_tokens = c + j
+            sim.generated += j
+            sim.token_times.extend(times)
+        b = len(reqs)
+        started = n_alloc
+        if self.trace is not None:
+            shape = tuple((e.request_id, 1) for e in reqs)
+            self.trace.extend(((run.ends[s - 1] if s else run.start), shape) for s in range(started))
+        for dur in run.durs[:started]:
+            self.busy_s += dur
+        self.steps += started
+        self.batched_tokens += started * b
+        self.decode_seqs += started * b
+        self.last_step_s = run.durs[started - 1]
+        if j:
+            self.last_step_start = run.ends[j - 2] if j >= 2 else run.start
+        if running:
+            batch = ScheduledBatch(list(reqs), [1] * b, b)
+            start = run.ends[j - 1] if j else run.start
+            self.step = _Step(start, run.ends[j], batch, False, b)
+            self.on_step(self, run.ends[j])
+        else:
+            self.step = None
 
     # ---- engine requests --------------------------------------------------------------------
     def _engine_request(self, req: SimRequest) -> Request:

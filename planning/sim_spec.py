@@ -49,6 +49,7 @@ class SimCluster:
     load_same: float = 0.0             # step time x (1 + this x decoding sequences past the first), under load
     load_other: float = 0.0            # step time x (1 + this x sequences decoding on other workers of the host)
     load_other_prefill: float | None = None  # the same for a step that prefills (None: load_other)
+    exact_steps: bool = False  # every decode step its own event (planning/simulator.py); same records, slower
     hash_page_size: int = 0            # the router's block hashes (0: the first prefill/colocated pool's pages)
 
     def __post_init__(self) -> None:

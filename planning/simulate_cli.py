@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help=">= 2; for length fitting when neither config nor profile says (default 8192)")
     add_workload_arguments(p)
+    p.add_argument("--exact-steps", action="store_true",
+                   help="simulate every decode step as its own event (the same records, slower; for validation)")
     p.add_argument("--json", help="write every figure and per-request records here (bench serve's layout)")
     p.add_argument("--plot", help="write PNG plots into this directory")
 
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pdcluster plan simulate: {exc}", file=sys.stderr)
         return 2
-    res = simulate(cluster, wl, args.max_concurrency)
+    res = simulate(cluster, wl, args.max_concurrency, exact_steps=args.exact_steps)
     summary = summarize(res.records, res.duration_s, percentiles, slo or None)
     print(f"simulated {len(wl.requests)} requests on {cluster.describe()} in {res.wall_s:.2f} s")
     print(report.format_table(summary))

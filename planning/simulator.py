@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from loadgen.client import Timeline
-from loadgen.metrics import RequestRecord
+from loadgen.metrics import RequestRecord, meets_slo
 from loadgen.workloads import Workload
 from planning.sim_engine import EngineSim, SimRequest
 from planning.sim_spec import SimCluster
@@ -43,6 +43,11 @@ class SimResult:
     timeline: Timeline
     workers: dict[str, dict]
     wall_s: float = 0.0
+    stopped: bool = False  # ended early by stop_after_misses
+
+
+class _Stopped(Exception):
+    pass
 
 
 class _Load:
@@ -73,8 +78,12 @@ class _View:
 
 
 class Simulator:
-    def __init__(self, cluster: SimCluster) -> None:
+    """`exact_steps`: every decode step its own event, as before runs of decode steps were
+    planned at once (EngineSim._plan_run); the two give identical records, this one slower."""
+
+    def __init__(self, cluster: SimCluster, exact_steps: bool = False) -> None:
         self.cluster = cluster
+        self.now = 0.0
         self.prefills: list[_View] = []
         self.decodes: list[_View] = []
         self._order: list[_View] = []
@@ -88,6 +97,9 @@ class Simulator:
         for v in self._order:
             v.worker.load_per_stream = cluster.load_same
             v.worker.load_base = cluster.load_base
+            v.worker.fast = not (exact_steps or cluster.exact_steps)
+            v.worker.clock = self._clock
+            v.worker.on_step = self._on_step
         other_prefill = cluster.load_other if cluster.load_other_prefill is None else cluster.load_other_prefill
         if cluster.host_interference or cluster.load_other or other_prefill:
             by_host: dict[str, list[EngineSim]] = {}
@@ -119,7 +131,19 @@ class Simulator:
         self._queue: deque[SimRequest] = deque()
 
     # ---- the event loop ---------------------------------------------------------------------
-    def run(self, workload: Workload, max_concurrency: int | None = None) -> SimResult:
+    def _clock(self) -> float:
+        return self.now
+
+    def _on_step(self, worker: EngineSim, end: float) -> None:
+        """A worker's run of decode steps was cut short: its step in flight ends at `end`."""
+        self._push(end, 1, self._view[worker])
+
+    def run(self, workload: Workload, max_concurrency: int | None = None,
+            stop_after_misses: tuple[dict[str, float], int] | None = None) -> SimResult:
+        """`stop_after_misses` = (slo, n): stop as soon as more than n requests have ended
+        without meeting every SLO (the planner's verdict on this run is then known: its
+        attainment is below what it needs); requests left unfinished get the error STOPPED and
+        the result's `stopped` is True."""
         import time
 
         if max_concurrency is not None and max_concurrency < 1:
@@ -133,6 +157,9 @@ class Simulator:
         self._state = {"in_flight": 0, "waiting": 0}
         self._client_cap = max_concurrency
         self._client_queue: deque[SimRequest] = deque()
+        self._stop = stop_after_misses
+        self._misses = 0
+        stopped = False
         # Arrivals are merged in from a sorted list rather than pushed onto the heap, which then
         # holds only the few events in flight (steps, transfers, kicks): at equal times an
         # arrival goes first, as it would with every arrival pushed before any other event.
@@ -142,28 +169,44 @@ class Simulator:
         self._next_arrival = arrivals[0].arrival if arrivals else math.inf
         pop = heapq.heappop
         now = 0.0
+        try:
+            self._loop(events, arrivals, n_arrivals, next_arrival)
+        except _Stopped:
+            stopped = True
+            for r in reqs:
+                if r.finished < 0:
+                    r.error = r.error or "STOPPED"
+        end = max([r.finished for r in reqs] + [r.arrival for r in reqs] + [0.0])
+        records = [self._record(r) for r in reqs]
+        workers = {v.worker.name: _worker_stats(v.worker, end) for v in self.prefills + self.decodes}
+        return SimResult(records, max(end, 1e-9), self._timeline, workers, time.perf_counter() - t_wall, stopped)
+
+    def _loop(self, events: list, arrivals: list, n_arrivals: int, next_arrival: int) -> None:
+        pop = heapq.heappop
         while events or next_arrival < n_arrivals:
             if next_arrival < n_arrivals and (not events or arrivals[next_arrival].arrival <= events[0][0]):
                 req = arrivals[next_arrival]
                 next_arrival += 1
                 self._next_arrival = arrivals[next_arrival].arrival if next_arrival < n_arrivals else math.inf
-                now = req.arrival
+                now = self.now = req.arrival
                 self._arrive(req, now)
                 continue
             now, _, kind, obj = pop(events)
+            self.now = now
             if kind == 1:
                 self._step_done(obj, now)
+            elif kind == 5:  # the end of a run of decode steps, unless it was cut short
+                if obj[0].worker.step is obj[1]:
+                    self._step_done(obj[0], now)
             elif kind == 2:
                 self._kv_done(obj, now)
             elif kind == 4:
+                if obj.worker.run is not None:  # (a run: its step in flight is the next step boundary)
+                    obj.worker.sync()
                 if not obj.worker.busy:
                     self._admit_queued_pages(obj, now)
             else:
                 self._start_step(obj, now)
-        end = max([r.finished for r in reqs] + [r.arrival for r in reqs] + [0.0])
-        records = [self._record(r) for r in reqs]
-        workers = {v.worker.name: _worker_stats(v.worker, end) for v in self.prefills + self.decodes}
-        return SimResult(records, max(end, 1e-9), self._timeline, workers, time.perf_counter() - t_wall)
 
     def _push(self, t: float, kind: int, obj) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, obj))
@@ -181,9 +224,13 @@ class Simulator:
 
     def _start_step(self, view: _View, now: float) -> None:
         view.kick_pending = False
-        end = view.worker.start_step(now)
+        w = view.worker
+        end = w.start_step(now)
         if end is not None:
-            self._push(end, 1, view)
+            if w.run is not None:
+                self._push(end, 5, (view, w.step))
+            else:
+                self._push(end, 1, view)
 
     # ---- router: admission and placement ------------------------------------------------------
     def _arrive(self, req: SimRequest, now: float) -> None:
@@ -319,6 +366,10 @@ class Simulator:
     def _close(self, req: SimRequest, now: float) -> None:
         req.finished = now
         req.forget_prompt()
+        if self._stop is not None and not meets_slo(self._record(req), self._stop[0]):
+            self._misses += 1
+            if self._misses > self._stop[1]:
+                raise _Stopped
         self._note(now, "in_flight", -1)
         if self._client_queue:
             nxt = self._client_queue.popleft()
@@ -374,5 +425,6 @@ def _worker_stats(w: EngineSim, end: float) -> dict:
             "cached_prompt_tokens": w.cached_tokens, "computed_prompt_tokens": w.computed_prompt_tokens}
 
 
-def simulate(cluster: SimCluster, workload: Workload, max_concurrency: int | None = None) -> SimResult:
-    return Simulator(cluster).run(workload, max_concurrency)
+def simulate(cluster: SimCluster, workload: Workload, max_concurrency: int | None = None,
+             exact_steps: bool = False, stop_after_misses: tuple[dict[str, float], int] | None = None) -> SimResult:
+    return Simulator(cluster, exact_steps).run(workload, max_concurrency, stop_after_misses)
