@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config import ClusterConfig
@@ -173,6 +174,7 @@ def test_two_routers_one_killed_the_other_serves_on(tiny_model, tmp_path):
     assert not our_ray_processes()
 
 
+@pytest.mark.slow  # ~25 s; the default run keeps a killed router's return (the same supervisor path)
 def test_a_hung_router_is_killed_and_comes_back(tiny_model, tmp_path):
     """A router process stopped (SIGSTOP: alive to Ray, answering nothing) is killed by the
     supervisor once it has been silent for router.worker_timeout_s, and Ray restarts it."""
