@@ -153,20 +153,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--quick", action="store_true", help="a shorter load (~90 s in all on 2 cores)")
     p.add_argument("--phases", default=None, metavar="IDLE,BURST,IDLE",
-                   help="seconds of the step load's phases (default 10,25,20; --quick 5,12,10)")
+                   help="seconds of the step load's phases (default 10,25,20; --quick 3,10,6)")
     p.add_argument("--idle-rate", type=float, default=0.5, help="req/s outside the burst")
-    p.add_argument("--burst-rate", type=float, default=8.0, help="req/s during the burst")
+    p.add_argument("--burst-rate", type=float, default=12.0, help="req/s during the burst")
     p.add_argument("--input-len", default="32:96", help="MIN:MAX prompt tokens of the step load")
     p.add_argument("--output-len", default="48:96", help="MIN:MAX output tokens of the step load")
     p.add_argument("--dataset", default="step", help="step (default), or a `bench serve` trace name or path "
                                                      "(e.g. azure-conv), time-compressed to the phases' total")
     p.add_argument("--num-requests", type=int, default=None, help="trace requests (default 3 x the phases' "
                                                                    "total seconds)")
-    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO at p90 (planner and attainment)")
-    p.add_argument("--slo-itl-ms", type=float, default=60.0, help="ITL SLO at p90 (planner and attainment)")
+    p.add_argument("--warmup", type=int, default=8, help="requests sent at once before the load (not measured), "
+                                                          "so every config starts with its batch shapes seen")
+    p.add_argument("--slo-ttft-ms", type=float, default=250.0, help="TTFT SLO at p90 (planner and attainment)")
+    p.add_argument("--slo-itl-ms", type=float, default=30.0, help="ITL SLO at p90 (planner and attainment)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--poll-s", type=float, default=0.25, help="ClusterStatus poll period")
-    p.add_argument("--bin-s", type=float, default=None, help="timeline bin (default 2.5 s; --quick 2 s)")
+    p.add_argument("--bin-s", type=float, default=None, help="timeline bin (default 2.5 s; --quick 1.5 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure, the timelines and per-request records here")
     p.add_argument("--plot", help="write autoscale_timeline.png (matplotlib) and .csv into this directory")
@@ -181,7 +183,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _phases(args) -> list[float]:
-    text = args.phases or ("5,12,10" if args.quick else "10,25,20")
+    text = args.phases or ("3,10,6" if args.quick else "10,25,20")
     ph = [float(x) for x in text.split(",")]
     if len(ph) != 3 or not all(x > 0 for x in ph):
         raise ValueError(f"--phases must be three seconds > 0, got {text!r}")
@@ -282,6 +284,25 @@ class StatusPoller:
         self.channel.close()
 
 
+def _wait_pool(address: str, replicas: int, timeout_s: float) -> None:
+    """Until the pool's target and serving workers are both `replicas` (or the timeout)."""
+    import grpc
+
+    from proto.pdcluster.v1 import inference_pb2 as pb
+    from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        while time.monotonic() < deadline:
+            st = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+            pool = next((p for p in st.pools if p.name == POOL), None)
+            if pool is not None and pool.target_replicas == pool.current_replicas == replicas:
+                return
+            time.sleep(0.25)
+    print(f"pool {POOL} not at {replicas} replica(s) after {timeout_s:.0f} s: measuring anyway", flush=True)
+
+
 def _series(samples: list[dict], key: str) -> list[tuple[float, float]]:
     return [(s["t"], float(s[key])) for s in samples]
 
@@ -308,6 +329,18 @@ def run_config(name: str, args) -> dict:
         wl, step_s, total = build_load(args, info.max_model_len, info.vocab_size)
         print(f"[{name}] serving on {address} after {boot_s:.1f} s; {len(wl.requests)} requests over {total:.0f} s",
               flush=True)
+        if args.warmup:
+            from loadgen.workloads import materialize_prompts, random_workload
+
+            warm = random_workload(args.warmup, _range(args.input_len), _range(args.output_len), args.seed + 7)
+            materialize_prompts(warm, info.vocab_size, args.seed + 7)
+            recs, _, _ = asyncio.run(run_benchmark(address, warm, progress=False, timeout_s=300.0,
+                                                   run_tag=f"warmup-{name}"))
+            if not all(r.ok for r in recs):
+                print(f"[{name}] warm-up: {sum(not r.ok for r in recs)} request(s) failed", flush=True)
+            time.sleep(4.0)  # past the planner's window: the warm-up is not what it sees at the load's start
+        if name == "elastic":
+            _wait_pool(address, 1, 60.0)
         poller = StatusPoller(address, args.poll_s).start()
         try:
             with heap_frozen():  # the client's own freeze below then collects almost nothing
@@ -340,7 +373,7 @@ def analyse(name: str, args, records, duration: float, samples: list[dict], step
            "ttft_p90_ms": _ms(quantile(ttft, 90)), "ttft_p50_ms": _ms(quantile(ttft, 50)),
            "itl_p90_ms": _ms(quantile(itl, 90)), "itl_p50_ms": _ms(quantile(itl, 50)),
            "max_serving": max((s["serving"] for s in samples), default=0),
-           "bins": bin_timeline(records, args.bin_s or (2.0 if args.quick else 2.5), span),
+           "bins": bin_timeline(records, args.bin_s or (1.5 if args.quick else 2.5), span),
            "status": samples, "events": [e for e in events if "pool " in e or "autoscale" in e][:200],
            "records": [_record(r) for r in records]}
     if name == "elastic":
