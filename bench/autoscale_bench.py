@@ -153,7 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--quick", action="store_true", help="a shorter load (~90 s in all on 2 cores)")
     p.add_argument("--phases", default=None, metavar="IDLE,BURST,IDLE",
-                   help="seconds of the step load's phases (default 10,25,20; --quick 3,10,6)")
+                   help="seconds of the step load's phases (default 10,25,20; --quick 2,8,5)")
     p.add_argument("--idle-rate", type=float, default=0.5, help="req/s outside the burst")
     p.add_argument("--burst-rate", type=float, default=12.0, help="req/s during the burst")
     p.add_argument("--input-len", default="32:96", help="MIN:MAX prompt tokens of the step load")
@@ -183,7 +183,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _phases(args) -> list[float]:
-    text = args.phases or ("3,10,6" if args.quick else "10,25,20")
+    text = args.phases or ("2,8,5" if args.quick else "10,25,20")
     ph = [float(x) for x in text.split(",")]
     if len(ph) != 3 or not all(x > 0 for x in ph):
         raise ValueError(f"--phases must be three seconds > 0, got {text!r}")
@@ -338,7 +338,8 @@ def run_config(name: str, args) -> dict:
                                                    run_tag=f"warmup-{name}"))
             if not all(r.ok for r in recs):
                 print(f"[{name}] warm-up: {sum(not r.ok for r in recs)} request(s) failed", flush=True)
-            time.sleep(4.0)  # past the planner's window: the warm-up is not what it sees at the load's start
+            # the elastic one: past the planner's window, so the warm-up is not what it sees at the load's start
+            time.sleep(4.0 if name == "elastic" else 0.5)
         if name == "elastic":
             _wait_pool(address, 1, 60.0)
         poller = StatusPoller(address, args.poll_s).start()
