@@ -211,6 +211,9 @@ class RouterActor:
         import uuid
 
         gc_pauses()  # time this process's garbage collections from the start
+        # at nice 0 like the workers: at Ray's nice 15 a router on a node whose workers are busy
+        # gets the CPU last, and every request's admission, placement and token waits for it
+        normal_priority()
         self.config = config
         self.prefills, self.decodes = prefills, decodes
         self.index = index
