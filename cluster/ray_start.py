@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 _RAY_PROCESS_MARKS = ("gcs_server", "raylet", "ray::", "default_worker", "ray/_private", "ray/dashboard")
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -39,18 +39,24 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def command_line(pid: int) -> str | None:
+    """A process's command line, its arguments joined by spaces (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def children_matching(marks: tuple[str, ...]) -> list[int]:
+    """PIDs of this process's descendants whose command line contains one of `marks`."""
+    return [pid for pid in descendants(os.getpid())
+            if any(mark in (command_line(pid) or "") for mark in marks)]
+
+
 def ray_children() -> list[int]:
     """PIDs of this process's descendants that Ray started."""
-    out = []
-    for pid in _descendants(os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(mark in cmd for mark in _RAY_PROCESS_MARKS):
-            out.append(pid)
-    return out
+    return children_matching(_RAY_PROCESS_MARKS)
 
 
 def kill_ray_children(timeout_s: float = 10.0) -> int:

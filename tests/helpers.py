@@ -282,21 +282,9 @@ def start_cluster(tiny_model, metrics: bool = False, http: bool = False, **kw):
 
 
 def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
+    from cluster.ray_start import descendants as below
+
+    return set(below(pid))
 
 
 def our_ray_processes() -> list[str]:

@@ -19,11 +19,12 @@ import grpc
 import pytest
 
 from cluster import status
+from cluster.ray_start import children_matching
 from cluster.config import ClusterConfig
 from engine.sampling_params import SamplingParams
 from proto.pdcluster.v1 import inference_pb2 as pb
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
-from tests.helpers import collect, descendants, our_ray_processes, wait_until
+from tests.helpers import collect, our_ray_processes, wait_until
 
 S = pb.SamplingParams
 ENGINE = dict(num_pages=512, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8, page_size=16,
@@ -32,15 +33,7 @@ ENGINE = dict(num_pages=512, max_model_len=1024, max_num_batched_tokens=512, max
 
 def follower_processes() -> list[int]:
     """This test's Ray processes hosting a tensor-parallel follower actor (ps: ray::FollowerActor)."""
-    out = []
-    for p in descendants(os.getpid()):
-        try:
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "FollowerActor" in cmd:
-            out.append(p)
-    return sorted(out)
+    return sorted(children_matching(("FollowerActor",)))
 
 
 def listening(pids: set[int]) -> list[str]:
