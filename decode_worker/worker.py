@@ -55,6 +55,26 @@ class DecodeWorker:
             transport, transfer_config, model_id=model_id or resolve_model(model).name, receive=True,
             transport_kwargs=transport_kwargs, tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
         self.core = EngineCore(model, kv_connector=self.connector, on_kv_failure=self._on_kv_failure, **engine_kwargs)
+        self._init_state()
+
+    @classmethod
+    def over(cls, core: EngineCore, *, transport: str | None = "nixl", transfer_config: TransferConfig | None = None,
+             config: DecodeConfig | None = None, transport_kwargs: dict | None = None,
+             max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> DecodeWorker:
+        """A decode (or, with `transport=None`, colocated) worker over an idle engine that had
+        another role (a role switch: the weights, the KV cache and its cached prefixes stay;
+        EngineCore.set_kv_connector)."""
+        self = cls.__new__(cls)
+        self.config = config or DecodeConfig()
+        self.connector = None if transport is None else make_connector(
+            transport, transfer_config, model_id=core.model_dir.name, receive=True, transport_kwargs=transport_kwargs)
+        core.set_kv_connector(self.connector, self._on_kv_failure, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, detokenize=True)
+        self.core = core
+        self._init_state()
+        return self
+
+    def _init_state(self) -> None:
         self._stages: dict[str, DecodeStage] = {}  # every open request, by id
         self._queued: deque[Request] = deque()       # QUEUED_FOR_PAGES, FIFO
         self._pending: list[DecodeOutput] = []       # outputs made outside a step (a queued request cancelled)

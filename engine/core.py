@@ -160,6 +160,7 @@ class EngineCore:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ()
         )
+        self._wakeup: Callable[[], None] | None = None  # the owner's loop, told of connector news
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step (aborted): their output is due
         self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
@@ -377,8 +378,42 @@ class EngineCore:
 
     def set_wakeup(self, fn: Callable[[], None]) -> None:
         """Call `fn` (from any thread) when the connector has news for the next step."""
+        self._wakeup = fn
         if self.connector is not None:
             self.connector.set_wakeup(fn)
+
+    def set_kv_connector(self, connector: KVConnector | None, on_kv_failure: KVFailurePolicy | None = None, *,
+                         max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                         detokenize: bool | None = None) -> None:
+        """Give this engine another job without reloading it (a worker's role switch): a new KV
+        connector (or none) over the same KV cache, its failure policy, and the step's limits.
+        The weights, the cache and the prefix cache's pages stay. Only an idle engine switches
+        (raises RuntimeError while any request or held page is open); a tensor-parallel engine's
+        followers built their connectors at start-up, so it cannot (ValueError). The new
+        connector is registered before the old one closes: a connector that cannot start leaves
+        the engine as it was."""
+        if self._tp is not None:
+            raise ValueError("a tensor-parallel engine cannot change its KV connector: its followers built theirs "
+                             "at start-up")
+        if self.has_requests:
+            raise RuntimeError(f"the engine still has {len(self._requests) + len(self.scheduler.held)} open "
+                               f"request(s): drain it before changing its KV connector")
+        _check_positive(**{k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
+                                             ("max_num_seqs", max_num_seqs)) if v is not None})
+        if connector is not None:
+            connector.register_kv_caches(self.runner.kv_caches)
+            if self._wakeup is not None:
+                connector.set_wakeup(self._wakeup)
+        old, self.connector = self.connector, connector
+        self.on_kv_failure = on_kv_failure
+        sched = self.scheduler
+        sched.connector = connector
+        sched.max_num_batched_tokens = max_num_batched_tokens or sched.max_num_batched_tokens
+        sched.max_num_seqs = max_num_seqs or sched.max_num_seqs
+        if detokenize is not None:
+            self.detokenize = detokenize and self.tokenizer is not None
+        if old is not None:
+            old.close()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; returns the requests whose output changed."""

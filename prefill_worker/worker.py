@@ -38,6 +38,24 @@ class PrefillWorker:
                                         send=True, transport_kwargs=transport_kwargs,
                                         tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
         self.core = EngineCore(model, kv_connector=self.connector, **engine_kwargs)
+        self._init_state()
+
+    @classmethod
+    def over(cls, core: EngineCore, *, transport: str = "nixl", transfer_config: TransferConfig | None = None,
+             transport_kwargs: dict | None = None, max_num_batched_tokens: int | None = None,
+             max_num_seqs: int | None = None) -> PrefillWorker:
+        """A prefill worker over an idle engine that had another role (a role switch: the
+        weights, the KV cache and its cached prefixes stay; EngineCore.set_kv_connector)."""
+        self = cls.__new__(cls)
+        self.connector = make_connector(transport, transfer_config, model_id=core.model_dir.name, send=True,
+                                        transport_kwargs=transport_kwargs)
+        core.set_kv_connector(self.connector, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, detokenize=False)
+        self.core = core
+        self._init_state()
+        return self
+
+    def _init_state(self) -> None:
         self.num_prefilled = 0
         self._stops: dict[str, list[str]] = {}  # each request's stop strings: the first token's text honours them
 
