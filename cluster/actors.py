@@ -1,7 +1,6 @@
-"""What the cluster's Ray actors run. A worker actor is `engine.async_worker.AsyncWorker` itself
-(`ray.remote(AsyncWorker)`), given a `WorkerSpec` that builds its worker inside the actor's
-process; the router reaches it through `RayActor`, the Ray form of router.handles.Remote. The
-router actor hosts the gRPC server.
+"""The cluster's router actor and the router's reach into worker actors. `RouterActor` hosts
+the gRPC server (and router 0 the SLA planner); it reaches each worker actor (cluster.worker_host)
+through `RayActor`, the Ray form of router.handles.Remote.
 
 Nothing here imports Ray, torch or a worker at module level: `cluster.runtime` makes the
 actors, and the router's process loads this module without the engine.
@@ -9,171 +8,12 @@ actors, and the router's process loads this module without the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.node import bind_host, node_address, normal_priority, ucx_net_devices
+from cluster.node import normal_priority
 from engine.heap import freeze_startup_heap, gc_pauses
-from engine.load import WorkerLoad
-
-
-@dataclass(slots=True)
-class ClusterWorkerLoad(WorkerLoad):
-    """A worker's load report as its actor sends it: the engine's WorkerLoad plus where its
-    tensor-parallel ranks run and the torch threads of each (ClusterStatus shows them)."""
-
-    tp_size: int = 1
-    rank_pids: tuple = ()          # every rank's process, rank 0 (the worker's own) first
-    rank_nodes: tuple = ()         # the node address of each rank
-    num_threads: int = 0           # torch intra-op threads of each rank
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """A worker to build in an actor's process: `spec()` returns it (the AsyncWorker's factory).
-
-    The process runs at normal priority (nice 0) from here on and uses `threads` torch intra-op
-    threads (its reserved whole CPUs). With `engine.tensor_parallel_size` N > 1 this actor is
-    rank 0 of its group; ranks 1..N-1 are follower actors in the other bundles of its placement
-    group (cluster.tp_group), each with `resources` and `threads` of its own."""
-
-    role: str                 # "prefill", "decode" or "colocated"
-    model: str
-    engine: Any               # cluster.config.EngineSettings
-    transport: str
-    deadline_s: float
-    local: bool = True        # bind loopback (a local cluster) or the node's address
-    begin_timeout_s: float = 300.0
-    kv_secret: str = field(default="", repr=False)  # the cluster's KV-plane credential (TransferConfig.secret)
-    threads: int = 1          # torch intra-op threads of each rank
-    resources: dict = field(default_factory=dict)  # each follower rank's actor resources (cluster.tp_group)
-    name: str = "worker"
-
-    @property
-    def node(self) -> str:
-        """The address of the node this runs on (asked in the actor's process)."""
-        return node_address()
-
-    def __call__(self):
-        normal_priority()
-        return HostedWorker(self._build(), self)
-
-    def _build(self):
-        import torch
-
-        from kv_transfer.config import TransferConfig
-
-        torch.set_num_threads(self.threads)  # the reserved whole CPUs (engine/loop.py applies it to its thread)
-        cfg = TransferConfig(host=bind_host(self.local), deadline_s=self.deadline_s,
-                             begin_timeout_s=self.begin_timeout_s, secret=self.kv_secret,
-                             ucx_net_devices=ucx_net_devices(self.local))
-        engine = self.engine.engine_kwargs()
-        if engine.get("tensor_parallel_size", 1) > 1:
-            from cluster.tp_group import RayFollowers
-
-            engine["tp_host"] = bind_host(self.local)
-            engine["tp_launcher"] = RayFollowers.launcher(resources=self.resources, local=self.local,
-                                                          num_threads=self.threads, name=self.name)
-        if self.role == "prefill":
-            from prefill_worker.worker import PrefillWorker
-
-            return PrefillWorker(self.model, transport=self.transport, transfer_config=cfg, **engine)
-        from decode_worker.types import DecodeConfig, TransferFailurePolicy
-        from decode_worker.worker import DecodeWorker
-
-        colocated = self.role == "colocated"
-        dcfg = DecodeConfig(local_prefill_threshold=0 if colocated else self.engine.local_prefill_threshold,
-                            reserve_pages=self.engine.reserve_pages,
-                            on_transfer_failure=TransferFailurePolicy(self.engine.on_transfer_failure))
-        return DecodeWorker(self.model, transport=None if colocated else self.transport, transfer_config=cfg,
-                            config=dcfg, **engine)
-
-
-class HostedWorker:
-    """A worker as its actor hosts it: every attribute is the worker's own, except that
-    - its load report is a ClusterWorkerLoad (TP size, each rank's pid and node, threads), and
-    - a tensor-parallel group that lost a rank ends the worker's process at once, from the
-      step that found it (its outputs are dropped: its requests are the router's to move) or
-      from a watcher thread that checks the followers every `WATCH_S` (a rank lost while the
-      worker is idle); the remaining followers are killed first. Ray restarts the worker as a
-      whole, new followers and all, as it restarts a killed worker process."""
-
-    WATCH_S = 0.5
-
-    def __init__(self, worker: Any, spec: WorkerSpec) -> None:
-        import threading
-
-        import torch
-
-        self._worker = worker
-        self._threads = torch.get_num_threads()
-        self._node = node_address()
-        self._lost: str | None = None
-        self.CALLS = worker.CALLS
-        self._followers = getattr(worker.core, "_tp_followers", None)
-        self._stopped = threading.Event()
-        if self._followers is not None:
-            threading.Thread(target=self._watch, name=f"{spec.name}-tp-watch", daemon=True).start()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._worker, name)
-
-    def step(self):
-        outputs = self._worker.step()
-        if self._followers is not None:
-            error = self._worker.core.tensor_parallel_error
-            if error is not None:
-                self._lost = error
-                self._give_up()
-        return outputs
-
-    def load(self):
-        from dataclasses import fields
-
-        ld = self._worker.load()
-        pids, nodes = [os.getpid()], [self._node]
-        if self._followers is not None:
-            with contextlib.suppress(Exception):  # a lost rank: its last known place, or none
-                pids += self._followers.pids
-                nodes += self._followers.nodes
-        return ClusterWorkerLoad(**{f.name: getattr(ld, f.name) for f in fields(WorkerLoad)},
-                                 tp_size=self._worker.core.tensor_parallel_size, rank_pids=tuple(pids),
-                                 rank_nodes=tuple(nodes), num_threads=self._threads)
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._worker.close()
-
-    def _give_up(self):
-        """The group lost a rank: kill the remaining followers and end this process at once, as
-        a killed worker process ends. The router then sees what any lost worker looks like (its
-        streams migrate, the worker is "replacing" while Ray restarts it with a new group): an
-        engine loop that died in a live process would read as a dead worker instead."""
-        import logging
-        import sys
-
-        logging.getLogger(__name__).error("the worker's tensor-parallel group lost a rank: %s; the worker's process "
-                                          "exits (Ray restarts it with a new group)", self._lost)
-        with contextlib.suppress(Exception):
-            self._followers.stop(0)
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os._exit(70)
-
-    def _watch(self) -> None:
-        from engine.parallel import TPGroupError
-
-        while not self._stopped.wait(self.WATCH_S):
-            try:
-                self._followers.check()
-            except TPGroupError as exc:
-                if self._stopped.is_set():
-                    return
-                self._lost = self._lost or str(exc)
-                self._give_up()
 
 
 class RayActor:
@@ -225,8 +65,11 @@ class RouterActor:
         from router.service import PoolTargets
 
         # Scale's targets (router.service.PoolTargets): recorded here, reconciled by the driver
+        from cluster.scaler import move_refusals
+
         self.pool_targets = PoolTargets({p.name: p.role for p in config.pools},
-                                        {p.name: p.replicas for p in config.pools}, max_replicas)
+                                        {p.name: p.replicas for p in config.pools}, max_replicas,
+                                        move_refusals(config))
         _attach_request_log(config.router.request_log, self.identity)
 
     def ports(self) -> tuple[int, int | None, int | None]:
@@ -305,6 +148,7 @@ class RouterActor:
         return {"pid": os.getpid(), "incarnation": self.incarnation, "started": self.server is not None,
                 "serving": self.serving(), "address": self.server.address if self.server is not None else "",
                 "retired": self.retired, "scale": dict(self.pool_targets.requests),
+                "moves": list(self.pool_targets.moves),
                 "autoscale_seq": self.autoscaler.seq if self.autoscaler is not None else 0}
 
     def autoscale_decisions(self, after: int = 0) -> list[tuple[int, str]]:

@@ -31,22 +31,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.scaler import PoolScaling, WorkerRecord, _cause, _first_line
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class WorkerRecord:
-    worker_id: str
-    pool: str
-    role: str
-    actor: object
-    state: str = "serving"     # starting, warming, serving, draining (scale-in), failed, stopped
-    spare: bool = False        # a hot spare (started past the pool's replicas): never scaled in
-    pg: object = None          # its placement group and bundle
-    bundle: int = 0
-    own_pg: bool = False       # the group is this worker's alone (added by a scale-out, or a TP group)
-    error: str = ""
 
 
 @dataclass(slots=True)
@@ -66,7 +53,7 @@ class RouterRecord:
 
 
 @dataclass
-class Cluster:
+class Cluster(PoolScaling):
     config: ClusterConfig
     address: str | None = None          # a Ray address to join; None starts a local one
     workers: list[WorkerRecord] = field(default_factory=list)
@@ -91,6 +78,8 @@ class Cluster:
     _pool_error: dict = field(default_factory=dict)
     _retry_at: dict = field(default_factory=dict)      # pool -> monotonic time of its next start try
     _stopped: list = field(default_factory=list)       # the last workers scaled in (status: "stopped")
+    _moves: list = field(default_factory=list)         # [(from pool, to pool)]: one entry per worker still to move
+    _move_stamp: float = 0.0                           # time.time() of the last move request taken
     _status_seq: int = 0                               # bumped on every change the routers must be told
     _scaler: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -273,7 +262,7 @@ class Cluster:
             return
         if info["pid"] != r.pid:
             self._lost(r, "its process is gone")
-        self._adopt(info.get("scale") or {})
+        self._adopt(info.get("scale") or {}, info.get("moves") or ())
         self._autoscale_lines(r, info.get("autoscale_seq", 0))
         if r.lost_at is None:
             r.last_answer = asked
@@ -329,240 +318,6 @@ class Cluster:
         self.failure = f"{r.name} (last on {r.address}) cannot come back: {why}"
         self._say(self.failure, logging.ERROR)
 
-    # ---- resizing pools: the scaler --------------------------------------------------------------
-    def _pool_started(self, pool: PoolConfig, n: int) -> None:
-        """The pool's first workers are up: the non-spare ones serve, the rest are hot spares."""
-        for w in self.workers[-n:]:
-            w.spare = int(w.worker_id.rsplit("-", 1)[1]) >= pool.replicas
-        self.targets[pool.name] = pool.replicas
-        self._next_index[pool.name] = n
-
-    def scale(self, pool: str, replicas: int) -> None:
-        """Set a pool's target in this process (what the Scale RPC does through a router)."""
-        if pool not in self.targets or not 1 <= replicas <= self.max_replicas:
-            raise ValueError(f"pool must be one of {sorted(self.targets)} and replicas in [1, {self.max_replicas}], "
-                             f"got {pool!r}, {replicas}")
-        self._adopt({pool: (time.time(), replicas)})
-
-    def _adopt(self, requests: dict) -> None:
-        """Targets a router recorded (pool -> (time of the Scale call, replicas)): the newest wins."""
-        with self._lock:
-            for pool, (stamp, replicas) in requests.items():
-                if pool in self.targets and stamp > self._target_stamp.get(pool, 0.0):
-                    self._target_stamp[pool] = stamp
-                    if self.targets[pool] != replicas:
-                        self._say(f"pool {pool}: target {self.targets[pool]} -> {replicas} replicas", logging.INFO)
-                        self.targets[pool] = replicas
-                        self._retry_at.pop(pool, None)
-                    self._status_seq += 1
-
-    def _members(self, pool: str) -> list[WorkerRecord]:
-        """The pool's workers that count toward its replicas: neither spares nor leaving."""
-        return [w for w in self.workers if w.pool == pool and not w.spare and w.state in ("starting", "warming",
-                                                                                             "serving")]
-
-    def _scale_loop(self) -> None:
-        while not self._stopping.wait(self.watch_interval_s):
-            try:
-                self._reconcile()
-                self._push_status()
-            except Exception as exc:  # the scaler never dies of one odd answer
-                log.warning("scaler: %s: %s", type(exc).__name__, _first_line(exc))
-
-    def _reconcile(self) -> None:
-        """One step toward every pool's target: start one worker, or remove one."""
-        for pool in self.config.pools:
-            if self._stopping.is_set() or self.failure:
-                return
-            have, want = len(self._members(pool.name)), self.targets.get(pool.name, pool.replicas)
-            if have < want and time.monotonic() >= self._retry_at.get(pool.name, 0.0):
-                self._scale_out(pool)
-            elif have > want:
-                self._scale_in(pool)
-
-    def _worker_lists(self) -> tuple[list, list]:
-        """(prefills, decodes) as RouterActor takes them: the workers every router has."""
-        live = [w for w in self.workers if w.state in ("serving", "draining") or (w.spare and w.state == "serving")]
-        return ([(w.worker_id, w.pool, w.actor) for w in live if w.role == "prefill"],
-                [(w.worker_id, w.pool, w.role, w.actor) for w in live if w.role != "prefill"])
-
-    def _scale_out(self, pool: PoolConfig) -> None:
-        """Start one worker of `pool` (its placement as at start-up), wait until it is built, then
-        have every router warm it up and place on it. A failure is reported (status, log) and the
-        pool's next try waits (1, 2, 4, ... 60 s)."""
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        index = self._next_index[pool.name]
-        self._next_index[pool.name] = index + 1
-        tp = pool.engine.tensor_parallel_size
-        free = self._free_bundles.get(pool.name, [])
-        t0 = time.monotonic()
-        pg, own, started = None, False, 0.0
-        record = WorkerRecord(f"{pool.name}-{index}", pool.name, pool.role, None, state="starting")
-        with self._lock:
-            self.workers.append(record)
-            self._status_seq += 1
-        self._push_status()
-        try:
-            if tp == 1 and free:  # a bundle a scaled-in worker left in the pool's group
-                pg, bundle = free.pop()
-                own = False
-            else:
-                bundles = [dict(pool.resources.bundle() or {"CPU": 0.001}) for _ in range(tp)]
-                pg = placement_group(bundles, strategy=pool.resources.tp_placement if tp > 1
-                                     else pool.placement_strategy, name=f"pdcluster-{pool.name}-{index}")
-                bundle, own = 0, True
-            record.pg, record.bundle, record.own_pg = pg, bundle, own
-            ray.get(pg.ready(), timeout=self.start_timeout_s)
-            built = self._start_worker(pool, index, pg, bundle, self.address is None, PlacementGroupSchedulingStrategy)
-            record.actor = built.actor
-            ray.get(record.actor.ready.remote(), timeout=max(self.start_timeout_s - (time.monotonic() - t0), 1))
-            started = time.monotonic() - t0
-            record.state = "warming"
-            self._status_seq += 1
-            self._push_status()
-            warm = 0.0
-            for r in self.routers:  # one after another, as at start-up (warm-up request ids per pair)
-                warm = max(warm, ray.get(r.actor.add_worker.remote(record.worker_id, pool.name, pool.role,
-                                                                   record.actor), timeout=180))
-        except Exception as exc:
-            fails = self._start_failures.get(pool.name, 0) + 1
-            self._start_failures[pool.name] = fails
-            wait = min(2.0 ** (fails - 1), 60.0)
-            self._retry_at[pool.name] = time.monotonic() + wait
-            why = f"{type(exc).__name__}: {_cause(exc)}"
-            self._pool_error[pool.name] = f"worker {record.worker_id} failed to start ({why}); next try in {wait:g} s"
-            self._say(f"pool {pool.name}: scale-out: {self._pool_error[pool.name]}")
-            for r in self.routers:
-                try:
-                    ray.get(r.actor.remove_worker.remote(record.worker_id), timeout=10)
-                except Exception:
-                    pass
-            if record.actor is not None:
-                try:
-                    ray.kill(record.actor)
-                except Exception:
-                    pass
-            if own and pg is not None:
-                try:
-                    remove_placement_group(pg)
-                except Exception:
-                    pass
-            elif record.pg is not None:
-                free.append((record.pg, record.bundle))
-                self._free_bundles[pool.name] = free
-            record.state, record.error = "failed", why[:300]
-            with self._lock:
-                self.workers.remove(record)
-                self._stopped = (self._stopped + [record])[-8:]
-                self._status_seq += 1
-            return
-        record.state = "serving"
-        self._start_failures[pool.name] = 0
-        self._pool_error[pool.name] = ""
-        self._status_seq += 1
-        self._say(f"pool {pool.name}: worker {record.worker_id} serving, {time.monotonic() - t0:.1f} s after the "
-                  f"scale-out began (built and ready in {started:.1f} s, warm-up {warm:.2f} s)", logging.INFO)
-
-    def _scale_in(self, pool: PoolConfig) -> None:
-        """Remove the least loaded worker of `pool`: out of every router's placement, its streams
-        finish (or move after drain_grace_s), its pages free, then its actor stops."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        members = [w for w in self._members(pool.name) if w.state == "serving"]
-        if not members:
-            return
-
-        def busy(w: WorkerRecord) -> tuple:
-            try:
-                ld = ray.get(w.actor.load.remote(), timeout=5)
-                return (ld.running_requests + ld.waiting_requests + ld.transferring_requests,)
-            except Exception:  # no answer: the least useful worker to keep
-                return (-1,)
-        loads = {w.worker_id: busy(w) for w in members}
-        # the least loaded; among equals the newest (highest index)
-        victim = min(members, key=lambda w: (loads[w.worker_id][0], -int(w.worker_id.rsplit("-", 1)[1])))
-        t0 = time.monotonic()
-        victim.state = "draining"
-        self._status_seq += 1
-        self._push_status()
-        refs = [r.actor.retire_worker.remote(victim.worker_id, self.drain_grace_s) for r in self.routers]
-        finished = moved = 0
-        for r, ref in zip(self.routers, refs):
-            try:
-                got = ray.get(ref, timeout=self.drain_grace_s + 60)
-                finished, moved = finished + got["finished"], moved + got["moved"]
-            except Exception as exc:
-                log.warning("%s: drain of %s: %s", r.name, victim.worker_id, _first_line(exc))
-        drained = time.monotonic() - t0
-        free = total = 0
-        end = time.monotonic() + 10
-        while time.monotonic() < end:  # the cancels of moved requests land between the worker's steps
-            try:
-                ld = ray.get(victim.actor.load.remote(), timeout=5)
-                free, total = ld.free_pages, ld.total_pages
-                if free == total and ld.running_requests + ld.waiting_requests == 0:
-                    break
-            except Exception:
-                break
-            time.sleep(0.05)
-        for r in self.routers:
-            try:
-                ray.get(r.actor.remove_worker.remote(victim.worker_id), timeout=10)
-            except Exception as exc:
-                log.warning("%s: removing %s: %s", r.name, victim.worker_id, _first_line(exc))
-        try:
-            ray.get(victim.actor.close.remote(), timeout=20)
-        except Exception as exc:
-            log.warning("close of %s: %s", victim.worker_id, _first_line(exc))
-        ray.kill(victim.actor)
-        if victim.own_pg:
-            try:
-                remove_placement_group(victim.pg)
-            except Exception:
-                pass
-            if victim.pg in self._pgs:
-                self._pgs.remove(victim.pg)
-        else:
-            self._free_bundles.setdefault(pool.name, []).append((victim.pg, victim.bundle))
-        victim.state, victim.error = "stopped", f"scaled in: pages {free}/{total} free when it stopped"
-        with self._lock:
-            self.workers.remove(victim)
-            self._stopped = (self._stopped + [victim])[-8:]
-            self._status_seq += 1
-        self._say(f"pool {pool.name}: worker {victim.worker_id} removed: drained in {drained:.2f} s ({finished} "
-                  f"request(s) finished on it, {moved} moved), pages {free}/{total} free, stopped after "
-                  f"{time.monotonic() - t0:.2f} s", logging.INFO)
-
-    def scale_status(self) -> dict:
-        """What the routers show in ClusterStatus (router.service.PoolTargets.status)."""
-        with self._lock:
-            pools = {p.name: {"target": self.targets.get(p.name, p.replicas),
-                              "stamp": self._target_stamp.get(p.name, 0.0),
-                              "current": sum(1 for w in self.workers if w.pool == p.name and not w.spare
-                                             and w.state == "serving"),
-                              "start_failures": self._start_failures.get(p.name, 0),
-                              "error": self._pool_error.get(p.name, "")} for p in self.config.pools}
-            workers = [{"worker_id": w.worker_id, "pool": w.pool, "role": w.role, "state": w.state, "error": w.error}
-                       for w in [*self._stopped, *self.workers] if w.state != "serving"]
-        return {"pools": pools, "workers": workers}
-
-    def _push_status(self) -> None:
-        import ray
-
-        seq, status = self._status_seq, self.scale_status()
-        for r in self.routers:
-            if r.pushed == seq or r.lost_at is not None:
-                continue
-            try:
-                ray.get(r.actor.scale_status.remote(status), timeout=5)
-                r.pushed = seq
-            except Exception as exc:
-                log.warning("%s: scale status: %s", r.name, _first_line(exc))
-
     def _await_ready(self, deadline: float) -> None:
         """Every worker built and its engine thread running; a worker that could not start (an
         engine setting its model or hardware refuses) raises, naming the worker and the reason."""
@@ -586,7 +341,7 @@ class Cluster:
                       strategy_cls) -> WorkerRecord:
         import ray
 
-        from cluster.actors import WorkerSpec
+        from cluster.worker_host import WorkerSpec
         from engine.async_worker import AsyncWorker
 
         shape = pool.resources
@@ -648,15 +403,3 @@ class Cluster:
                 pass
         self._pgs.clear()
         ray.shutdown()
-
-
-def _cause(exc: BaseException) -> str:
-    """The last line of a remote traceback that says what was raised (e.g. the engine's ValueError)."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    said = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
-    return (said[-1] if said else (lines[-1] if lines else type(exc).__name__))[:500]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -29,20 +29,25 @@ from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
 
 
 class PoolTargets:
-    """What the Scale RPC sets: each pool's target of serving workers. The router only records
-    it; the owner of the workers (cluster.runtime's `Cluster`, in the driver process) reads the
-    requests of every router (RouterActor.info, newest wins), starts or drains workers until
-    each pool has its target, and pushes back what it did (`status`), which ClusterStatus shows.
+    """What the Scale RPC sets: each pool's target of serving workers, and moves of serving
+    workers from one pool to another (role switches). The router only records them; the owner
+    of the workers (cluster.scaler, in the driver process) reads the requests of every router
+    (RouterActor.info, in the order they were made), starts, drains or moves workers until each
+    pool has its target, and pushes back what it did (`status`), which ClusterStatus shows.
     The same targets are what a planner sets to resize pools."""
 
-    def __init__(self, pools: dict[str, str], targets: dict[str, int], max_replicas: int = 16) -> None:
+    def __init__(self, pools: dict[str, str], targets: dict[str, int], max_replicas: int = 16,
+                 move_refusals: dict[tuple[str, str], str] | None = None) -> None:
         self.roles = dict(pools)                     # pool -> role
         self.targets = dict(targets)                 # pool -> the config's replicas, then the latest target
         self.max_replicas = max_replicas
+        # (from, to) -> why workers cannot move between those pools (engine shape, resources); absent: they can
+        self.move_refusals = dict(move_refusals or {})
         self.requests: dict[str, tuple[float, int]] = {}  # pool -> (time.time() of the Scale call, replicas)
+        self.moves: list[tuple[float, str, str, int]] = []  # (time.time() of the call, from, to, workers), latest 64
         # from the driver: {"pools": {pool: {"target", "stamp", "current", "start_failures", "error"}},
-        #                   "workers": [{"worker_id", "pool", "role", "state", "error"}]} (workers the router
-        # has not been given, or no longer has: starting, failed, stopped)
+        #                   "workers": [{"worker_id", "pool", "role", "state", "error", "moving_to"}]} (workers
+        # the router has not been given, or no longer has: starting, switching, failed, stopped; and those moving)
         self.status: dict = {}
 
     def check(self, pool: str, replicas: int) -> str | None:
@@ -53,17 +58,46 @@ class PoolTargets:
             return f"replicas must be in [1, {self.max_replicas}], got {replicas}"
         return None
 
+    def check_move(self, pool: str, to_pool: str, move: int) -> str | None:
+        """Why a move request is invalid (naming the field and the allowed range), or None."""
+        if pool not in self.roles:
+            return f"pool must be one of {sorted(self.roles)}, got {pool[:64]!r}"
+        others = sorted(p for p in self.roles if p != pool)
+        if to_pool not in others:
+            return f"to_pool must be one of {others} (a pool other than {pool!r}), got {to_pool[:64]!r}"
+        refusal = self.move_refusals.get((pool, to_pool))
+        if refusal is not None:
+            return f"workers cannot move from pool {pool!r} to {to_pool!r}: {refusal}"
+        most = min(self.target(pool) - 1, self.max_replicas - self.target(to_pool))
+        if most < 1:
+            return (f"move must be in [1, max(target({pool}) - 1, max_replicas - target({to_pool}))]: pool {pool!r} "
+                    f"has target {self.target(pool)} (one worker stays) and {to_pool!r} {self.target(to_pool)} of "
+                    f"at most {self.max_replicas}, so no worker can move now")
+        if not 1 <= move <= most:
+            return f"move must be in [1, {most}] for pools {pool!r} -> {to_pool!r}, got {move}"
+        return None
+
     def target(self, pool: str) -> int:
         pushed = self.status.get("pools", {}).get(pool)
         asked = self.requests.get(pool)
-        if asked is not None and (pushed is None or asked[0] > pushed.get("stamp", 0.0)):
-            return asked[1]
-        return pushed["target"] if pushed is not None else self.targets[pool]
+        stamp = pushed.get("stamp", 0.0) if pushed is not None else 0.0
+        base = pushed["target"] if pushed is not None else self.targets[pool]
+        if asked is not None and asked[0] > stamp:
+            stamp, base = asked
+        # moves recorded here and not yet taken by the driver (its pushed stamp is older)
+        return base + sum((n if to == pool else -n) for t, frm, to, n in self.moves
+                          if t > stamp and pool in (frm, to))
 
     def set(self, pool: str, replicas: int) -> int:
         """Record a target; returns the previous one."""
         previous = self.target(pool)
         self.requests[pool] = (time.time(), replicas)
+        return previous
+
+    def move(self, pool: str, to_pool: str, move: int) -> tuple[int, int]:
+        """Record a move of `move` serving workers; returns both pools' previous targets."""
+        previous = self.target(pool), self.target(to_pool)
+        self.moves = (self.moves + [(time.time(), pool, to_pool, move)])[-64:]
         return previous
 
 
@@ -255,6 +289,14 @@ class InferenceService(pb_grpc.InferenceServicer):
         if t is None:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                               "this router owns no workers it could start or stop (not a pdcluster serve cluster)")
+        if request.move:
+            why = t.check_move(request.pool, request.to_pool, request.move)
+            if why is not None:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+            prev_from, prev_to = t.move(request.pool, request.to_pool, request.move)
+            return pb.ScaleResponse(pool=request.pool, previous_target=prev_from, target=prev_from - request.move,
+                                    current=self._current(request.pool), to_pool=request.to_pool,
+                                    to_previous_target=prev_to, to_target=prev_to + request.move)
         why = t.check(request.pool, request.replicas)
         if why is not None:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -350,6 +392,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         await self.dispatcher.refresh_loads()
         workers = []
+        pushed = {w["worker_id"]: w for w in self.pool_targets.status.get("workers", ())} \
+            if self.pool_targets is not None else {}
         for v in self.dispatcher.views.values():
             ld = v.load or WorkerLoad()
             workers.append(pb.WorkerStatus(
@@ -359,16 +403,16 @@ class InferenceService(pb_grpc.InferenceServicer):
                 transferring_requests=ld.transferring_requests, tokens_per_s=ld.tokens_per_s,
                 prefix_cache_hit_rate=ld.prefix_cache_hit_rate, requests_placed=v.placed, pid=v.pid, node=v.node,
                 state=v.state, restarts=v.restarts, last_error=v.last_error,
-                # a Ray worker's report (cluster.actors.ClusterWorkerLoad); an in-process worker has none
+                # a Ray worker's report (cluster.worker_host.ClusterWorkerLoad); an in-process worker has none
                 tp_size=getattr(ld, "tp_size", 1) if v.load is not None else 0,
                 rank_pids=getattr(ld, "rank_pids", ()), rank_nodes=getattr(ld, "rank_nodes", ()),
-                num_threads=getattr(ld, "num_threads", 0)))
-        if self.pool_targets is not None:  # workers the driver has and this router has not (yet, or any more)
-            for w in self.pool_targets.status.get("workers", ()):
-                if w["worker_id"] not in self.dispatcher.views:
-                    workers.append(pb.WorkerStatus(worker_id=w["worker_id"], pool=w["pool"], role=w["role"],
-                                                   healthy=False, state=w["state"], error=w.get("error", ""),
-                                                   last_error=w.get("error", "")))
+                num_threads=getattr(ld, "num_threads", 0),
+                moving_to=pushed.get(v.worker_id, {}).get("moving_to", "")))
+        for w in pushed.values():  # workers the driver has and this router has not (yet, or any more)
+            if w["worker_id"] not in self.dispatcher.views:
+                workers.append(pb.WorkerStatus(worker_id=w["worker_id"], pool=w["pool"], role=w["role"],
+                                               healthy=False, state=w["state"], error=w.get("error", ""),
+                                               last_error=w.get("error", ""), moving_to=w.get("moving_to", "")))
         return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name, pools=self._pools(),
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,

@@ -173,24 +173,34 @@ class DrainResponse(_message.Message):
     def __init__(self, finished: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("pool", "replicas")
+    __slots__ = ("pool", "replicas", "move", "to_pool")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
+    TO_POOL_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replicas: int
-    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+    move: int
+    to_pool: str
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ..., move: _Optional[int] = ..., to_pool: _Optional[str] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
-    __slots__ = ("pool", "previous_target", "target", "current")
+    __slots__ = ("pool", "previous_target", "target", "current", "to_pool", "to_previous_target", "to_target")
     POOL_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_TARGET_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
+    TO_POOL_FIELD_NUMBER: _ClassVar[int]
+    TO_PREVIOUS_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TO_TARGET_FIELD_NUMBER: _ClassVar[int]
     pool: str
     previous_target: int
     target: int
     current: int
-    def __init__(self, pool: _Optional[str] = ..., previous_target: _Optional[int] = ..., target: _Optional[int] = ..., current: _Optional[int] = ...) -> None: ...
+    to_pool: str
+    to_previous_target: int
+    to_target: int
+    def __init__(self, pool: _Optional[str] = ..., previous_target: _Optional[int] = ..., target: _Optional[int] = ..., current: _Optional[int] = ..., to_pool: _Optional[str] = ..., to_previous_target: _Optional[int] = ..., to_target: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "role", "target_replicas", "current_replicas", "max_replicas", "start_failures", "error")
@@ -211,7 +221,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., current_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., start_failures: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads")
+    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads", "moving_to")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +245,7 @@ class WorkerStatus(_message.Message):
     RANK_PIDS_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     role: str
@@ -258,7 +269,8 @@ class WorkerStatus(_message.Message):
     rank_pids: _containers.RepeatedScalarFieldContainer[int]
     rank_nodes: _containers.RepeatedScalarFieldContainer[str]
     num_threads: int
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    moving_to: str
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ..., moving_to: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools")
