@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
               f"{w.node or '-':<16}{w.tp_size or '-':>3}{w.num_threads or '-':>8}{w.restarts:>9}{kv:>15}"
               f"{w.running_requests:>8}{w.waiting_requests:>8}"
               f"{w.queued_tokens:>11}{w.tokens_per_s:>8.1f}{w.prefix_cache_hit_rate:>11.0%}{w.requests_placed:>7}")
+        if w.moving_to:
+            notes.append(f"  {w.worker_id}: moving to pool {w.moving_to} ({w.state})")
         if w.error or w.last_error:
             notes.append(f"  {w.worker_id}: {_one_line(w.error or w.last_error)}"
                          + (" (now serving)" if w.healthy and not w.error else ""))
