@@ -28,7 +28,7 @@ demo: $(STAMP) kernels
 # The import rules first (pyproject.toml's [tool.importlinter], docs/architecture.md), then the suite.
 test: $(STAMP) kernels
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-slow: $(STAMP) kernels
 	$(BIN)/python -m pytest -q -m slow tests
