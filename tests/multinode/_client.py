@@ -110,9 +110,10 @@ def watch(stub, interval_s: float) -> None:
 def load(stub, prompts, max_tokens: list[int], concurrency: int, stop_file: str) -> None:
     """`concurrency` greedy streams open at every moment: each slot starts its next stream (the
     prompts taken in turn, each with its own max_tokens, so that streams end at different times)
-    as soon as its last one ends, until `stop_file` exists; then the open ones finish. Prints STARTED once every slot has its first token, then one JSON line: per
-    stream the prompt's index, its ids, the decode worker it ended on, its migrations and the
-    error that ended it ("" for none)."""
+    as soon as its last one ends, until `stop_file` exists; then the open ones finish. Prints
+    STARTED once every slot has its first token, then one JSON line: per stream the prompt's
+    index, its ids, the decode worker it ended on, its migrations and the error that ended it
+    ("" for none)."""
     started = threading.Barrier(concurrency + 1)
     lock = threading.Lock()
     turn = [0]

@@ -2,11 +2,13 @@
 goes 1 -> 2 with its new worker on another machine, then back 2 -> 1, under open greedy streams.
 
 The cluster is served as in the rest of the suite (decode pool pinned by `node_decode`, one unit
-on the decode host). Once it serves, a fourth host joins (`decode2`, 10.77.0.4: a new namespace
-on the bridge, `ray start` with one CPU and one unit of `node_decode`), as a machine added to a
-running cluster would. The decode host's unit is taken by the pool's first worker, so the new
-worker's placement group can only be placed on the joined host: ClusterStatus must show it there
-(its node's address, its process in that namespace), serving and placed on.
+on the decode host, taken by the pool's first worker). Scale 1 -> 2 first: no host has room for
+the new worker, so its placement group stays PENDING in Ray (asked of Ray, not guessed) and the
+worker `starting`. Then a fourth host joins (`decode2`, 10.77.0.4: a new namespace on the bridge,
+`ray start` with one CPU and one unit of `node_decode`), as a machine added to a running cluster
+would: Ray places the waiting group there and the scale-out goes on, with no second Scale call.
+ClusterStatus must show the new worker there (its node's address, its process in that
+namespace), serving and placed on.
 
 Throughout, a client in the head's namespace keeps STREAMS greedy streams open (a slot starts its
 next stream as soon as one ends): no stream fails and every one's tokens equal Hugging Face
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -51,11 +54,10 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="module", params=["nixl", "grpc"])
 def scaled(request, netns, tmp_path_factory):
-    """The cluster serving, then a second decode host joined with room for one decode worker."""
+    """The cluster serving; the test joins the second decode host, which leaves after the cluster stops."""
     s = Served(netns, request.param, tmp_path_factory.mktemp(f"serve-scale-{request.param}"))
     try:
         s.wait_serving()
-        netns.add_host(NEW_HOST, {"node_decode": 1}, num_cpus=1)
         yield s
     finally:
         s.stop()
@@ -131,6 +133,17 @@ def _pool(line: dict) -> dict:
     return next(p for p in line["pools"] if p["name"] == POOL)
 
 
+def _placement_group_state(netns, name: str) -> str:
+    """Ray's state of the placement group `name` (PENDING while no node has room for it), asked
+    from the head's namespace."""
+    code = ("import json, ray; from ray.util import placement_group_table; ray.init(log_to_driver=False); "
+            "print('PG ' + json.dumps([g['state'] for g in placement_group_table().values() "
+            f"if g['name'] == {name!r}]))")
+    r = netns.run("head", [str(VENV_BIN / "python"), "-c", code], env={"RAY_ADDRESS": netns.head_address}, timeout=120)
+    states = json.loads(next(ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("PG "))[3:])
+    return states[-1] if states else ""
+
+
 def _check_streams(out: list[dict], ref: list[list[int]], what: str) -> None:
     failed = [o for o in out if o["error"]]
     assert not failed, f"{what}: {len(failed)} of {len(out)} streams failed: {failed[:3]}"
@@ -141,8 +154,7 @@ def _check_streams(out: list[dict], ref: list[list[int]], what: str) -> None:
 def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_path):
     netns = scaled.netns
     prompts, ref = reference
-    decode_ip, new_ip = netns.host("decode").ip, netns.host(NEW_HOST).ip
-    host_of = {h.ip: h.name for h in netns.hosts}
+    decode_ip = netns.host("decode").ip
     watch = Watch(scaled, tmp_path / "status.jsonl")
     load = None
     try:
@@ -158,6 +170,16 @@ def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_pa
         def others(ln):
             return [w for w in ln["workers"] if w["pool"] == POOL and w["worker_id"] != old["worker_id"]]
         new_id = others(watch.until(others, "the new decode worker in ClusterStatus"))[0]["worker_id"]
+        # no room anywhere: its placement group waits in Ray, the worker is starting, the pool at 1
+        wait_until(lambda: _placement_group_state(netns, f"pdcluster-{new_id}") == "PENDING", 120, 0.5,
+                   f"the placement group of {new_id} pending in Ray")
+        watch.until(lambda ln: True, "a status")
+        line = watch.seen[-1]
+        assert _w(line, new_id)["state"] == "starting" and _pool(line)["current"] == 1, line
+        t_join = time.time()
+        new_ip = netns.add_host(NEW_HOST, {"node_decode": 1}, num_cpus=1).ip   # a machine joins
+        t_joined = time.time()
+        host_of = {h.ip: h.name for h in netns.hosts}
         serving = watch.until(lambda ln: (w := _w(ln, new_id)) and w["state"] == "serving" and w["healthy"]
                               and w["pid"] and _pool(ln)["current"] == 2, f"{new_id} serving")
         t_serving = serving["t"]
@@ -218,9 +240,11 @@ def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_pa
         # the victim had streams open when it began draining: they finished on it or moved
         assert int(down.group(2)) + int(down.group(3)) >= 1, down.group(0)
         moved = sum(o["migrations"] for o in out2)
-        print(f"\nscale across hosts over {scaled.transport}: {POOL} 1 -> 2, {new_id} on {NEW_HOST} ({new_ip}): "
-              f"serving {t_serving - t_out:.1f} s after Scale (serve: {up.group(1)} s, built and ready "
-              f"{up.group(2)} s, warm-up {up.group(3)} s), first placement on it at +{t_placed - t_out:.1f} s; "
+        print(f"\nscale across hosts over {scaled.transport}: {POOL} 1 -> 2, {new_id} pending until {NEW_HOST} "
+              f"({new_ip}) joined (Scale +{t_join - t_out:.1f} s; its `ray start` took {t_joined - t_join:.1f} s): "
+              f"serving there {t_serving - t_joined:.1f} s after it joined, {t_serving - t_out:.1f} s after Scale "
+              f"(serve: {up.group(1)} s after the scale-out began, built and ready {up.group(2)} s, warm-up "
+              f"{up.group(3)} s), first placement on it at +{t_placed - t_out:.1f} s; "
               f"{len(out1)} streams, {on_new} decoded on {new_id}, 0 failed, tokens = HF greedy. "
               f"2 -> 1: victim {victim} on {vhost}, stopped {t_stopped - t_in:.1f} s after Scale (serve: drained "
               f"in {down.group(1)} s, {down.group(2)} finished on it, {down.group(3)} moved; streams' migrations "
