@@ -162,11 +162,12 @@ def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_pa
         old = next(w for w in first["workers"] if w["pool"] == POOL)
         assert old["state"] == "serving" and old["node"] == decode_ip, old
 
-        # ---- scale-out under open streams: the new worker can only go to the joined host
+        # ---- scale-out under open streams: no room for the new worker until a host joins
         load = Load(scaled, prompts, tmp_path / "load-out")
         resp = scaled.client("scale", POOL, "2")
         assert (resp["previous_target"], resp["target"], resp["current"]) == (1, 2, 1), resp
         t_out = resp["t"]
+
         def others(ln):
             return [w for w in ln["workers"] if w["pool"] == POOL and w["worker_id"] != old["worker_id"]]
         new_id = others(watch.until(others, "the new decode worker in ClusterStatus"))[0]["worker_id"]
@@ -194,8 +195,6 @@ def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_pa
         _check_streams(out1, ref, "scale-out")
         on_new = sum(o["decode_worker"] == new_id for o in out1)
         assert on_new > 0, f"no stream decoded on {new_id}: {[o['decode_worker'] for o in out1]}"
-        states = {(w["worker_id"], w["state"]) for ln in watch.seen for w in ln["workers"]}
-        assert (new_id, "starting") in states or (new_id, "warming") in states, states
 
         # ---- scale-in under open streams, both decode workers holding some
         load = Load(scaled, prompts, tmp_path / "load-in")
@@ -204,6 +203,7 @@ def test_scale_decode_pool_onto_a_joined_host_and_back(scaled, reference, tmp_pa
         resp = scaled.client("scale", POOL, "1")
         assert (resp["previous_target"], resp["target"]) == (2, 1), resp
         t_in = resp["t"]
+
         def leaving(ln):
             return [w for w in ln["workers"] if w["pool"] == POOL and w["state"] in ("draining", "stopped")]
         victim = leaving(watch.until(leaving, "a decode worker draining", 120))[0]["worker_id"]
