@@ -36,7 +36,7 @@ test-slow: $(STAMP) kernels
 # The multi-node suite (root: it makes network namespaces; not part of `make test`): three namespaced
 # hosts on one bridge (scripts/netns_cluster.py), Ray head + router / prefill pool / decode pool,
 # KV across hosts over NIXL (UCX TCP) and gRPC, listeners, node loss and return (recovery times
-# printed). Everything it makes (namespaces, veths, bridge, processes) is removed, also on failure.
+# printed), a pool scaled onto a fourth host that joins and back (times printed). Everything it makes (namespaces, veths, bridge, processes) is removed, also on failure.
 .PHONY: test-multinode
 test-multinode: $(STAMP) kernels
 	$(BIN)/python -m pytest -q -s -m multinode tests/multinode

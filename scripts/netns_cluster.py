@@ -12,7 +12,9 @@ default) and nothing else:
 One Ray CPU and one unit of its `node_<host>` resource per host by default (`cpus`, `units`);
 a tensor-parallel worker needs one of each per rank on its host (its placement group's
 bundles): give that host more, at `up` or when restarting it (`restart_ray(host, num_cpus=,
-units=)`: Ray cannot change a live node's resources).
+units=)`: Ray cannot change a live node's resources). A machine joining the running cluster is
+`add_host(name, resources)` (the subnet's next address, e.g. 10.77.0.4, on the same bridge), and
+`remove_host(name)` takes it away again (Ray then declares its node dead).
 
 Each host's interface is `eth0` (a veth whose peer sits on the bridge); every Ray process is
 started inside its host's namespace (`ip netns exec`), with its own --temp-dir. Deleting the
@@ -111,16 +113,20 @@ class NetnsCluster:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         _ip("-n", self.switch, "link", "set", "lo", "up")
         for i, h in enumerate(self.hosts, 1):
-            ns = self.ns(h.name)
-            _ip("netns", "add", ns)
-            # both ends are created directly inside their namespaces: nothing appears in the root one
-            _ip("link", "add", "name", "eth0", "netns", ns, "type", "veth",
-                "peer", "name", f"p{i}", "netns", self.switch)
-            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
-            _ip("-n", self.switch, "link", "set", f"p{i}", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+            self._plug(h, i)
+
+    def _plug(self, h: Host, port: int) -> None:
+        """The host's namespace, its eth0 on the bridge's port p<port>."""
+        ns = self.ns(h.name)
+        _ip("netns", "add", ns)
+        # both ends are created directly inside their namespaces: nothing appears in the root one
+        _ip("link", "add", "name", "eth0", "netns", ns, "type", "veth",
+            "peer", "name", f"p{port}", "netns", self.switch)
+        _ip("-n", self.switch, "link", "set", f"p{port}", "master", "br0")
+        _ip("-n", self.switch, "link", "set", f"p{port}", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
 
     # ---- processes -------------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -256,6 +262,39 @@ class NetnsCluster:
         until(lambda mine: bool(mine) and mine[0]["res"].get("CPU") == h.num_cpus
               and all(mine[0]["res"].get(k) == v for k, v in h.resources.items()),
               f"the {host} node not alive with CPU={h.num_cpus} {h.resources}")
+
+    def add_host(self, name: str, resources: dict[str, float], num_cpus: int = 1,
+                 timeout: float = 120) -> Host:
+        """A machine joining the running cluster: a new namespace on the bridge (the next address
+        of the subnet), `ray start` in it with these resources, and wait until Ray has the node.
+        `remove_host` takes it away again (and `down` removes it with the rest)."""
+        assert all(h.name != name for h in self.hosts), f"host {name} exists"
+        last = max(int(h.ip.rsplit(".", 1)[1]) for h in self.hosts)
+        h = Host(name, f"{self.subnet}.{last + 1}", dict(resources), num_cpus)
+        self.hosts.append(h)
+        try:
+            self._plug(h, last + 1)
+            self.start_ray(name)
+            self.wait_nodes(len(self.hosts), timeout=timeout)
+        except BaseException:
+            self.remove_host(name)
+            raise
+        return h
+
+    def remove_host(self, name: str, timeout: float = 120) -> None:
+        """The machine leaves: every process in its namespace killed, the namespace (and its
+        veth) deleted, and wait until Ray declares its node dead."""
+        h = self.host(name)
+        assert not h.head, "the head cannot be removed under a running cluster"
+        if self.ns(name) in self.existing_namespaces():
+            self.kill(name)
+            _ip("netns", "delete", self.ns(name))
+        self.hosts.remove(h)
+        deadline = time.monotonic() + timeout
+        while any(n["ip"] == h.ip for n in self.alive_nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray did not declare the {name} node ({h.ip}) dead within {timeout:.0f}s")
+            time.sleep(0.5)
 
     def existing_namespaces(self) -> list[str]:
         r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)

@@ -3,7 +3,8 @@ a Ray cluster across them, and `pdcluster serve --address` run on the head's hos
 
 test_tp_across_nodes.py runs the prefill pool at tensor_parallel_size 2 (both ranks on the
 prefill host, whose Ray node it restarts with room for two rank bundles, then gives back its
-first shape) against a TP=1 decode pool.
+first shape) against a TP=1 decode pool. test_scale_across_nodes.py scales the decode pool onto a
+fourth host that joins the running cluster (netns_cluster add_host) and back, then lets it leave.
 
 Everything here is marked `multinode` and runs only when asked for (`pytest -m multinode
 tests/multinode`, `make test-multinode`): it needs root (network namespaces) and takes minutes.
