@@ -199,7 +199,7 @@ class PoolScaling:
                                      else pool.placement_strategy, name=f"pdcluster-{pool.name}-{index}")
                 bundle, own = 0, True
             record.pg, record.bundle, record.own_pg = pg, bundle, own
-            ray.get(pg.ready(), timeout=self.start_timeout_s)
+            self._await_placement(pool.name, pg)
             built = self._start_worker(pool, index, pg, bundle, self.address is None, PlacementGroupSchedulingStrategy)
             record.actor = built.actor
             ray.get(record.actor.ready.remote(), timeout=max(self.start_timeout_s - (time.monotonic() - t0), 1))
@@ -212,13 +212,18 @@ class PoolScaling:
                 warm = max(warm, ray.get(r.actor.add_worker.remote(record.worker_id, pool.name, pool.role,
                                                                    record.actor), timeout=180))
         except Exception as exc:
-            fails = self._start_failures.get(pool.name, 0) + 1
-            self._start_failures[pool.name] = fails
-            wait = min(2.0 ** (fails - 1), 60.0)
-            self._retry_at[pool.name] = time.monotonic() + wait
-            why = f"{type(exc).__name__}: {_cause(exc)}"
-            self._pool_error[pool.name] = f"worker {record.worker_id} failed to start ({why}); next try in {wait:g} s"
-            self._say(f"pool {pool.name}: scale-out: {self._pool_error[pool.name]}")
+            if isinstance(exc, _NotWanted):  # the target came down while its placement waited: no failure
+                why = str(exc)
+                self._say(f"pool {pool.name}: scale-out of {record.worker_id} given up: {why}", logging.INFO)
+            else:
+                fails = self._start_failures.get(pool.name, 0) + 1
+                self._start_failures[pool.name] = fails
+                wait = min(2.0 ** (fails - 1), 60.0)
+                self._retry_at[pool.name] = time.monotonic() + wait
+                why = f"{type(exc).__name__}: {_cause(exc)}"
+                self._pool_error[pool.name] = (f"worker {record.worker_id} failed to start ({why}); next try in "
+                                               f"{wait:g} s")
+                self._say(f"pool {pool.name}: scale-out: {self._pool_error[pool.name]}")
             for r in self.routers:
                 try:
                     ray.get(r.actor.remove_worker.remote(record.worker_id), timeout=10)
@@ -237,7 +242,7 @@ class PoolScaling:
             elif record.pg is not None:
                 free.append((record.pg, record.bundle))
                 self._free_bundles[pool.name] = free
-            record.state, record.error = "failed", why[:300]
+            record.state, record.error = ("stopped" if isinstance(exc, _NotWanted) else "failed"), why[:300]
             with self._lock:
                 self.workers.remove(record)
                 self._stopped = (self._stopped + [record])[-8:]
@@ -249,6 +254,25 @@ class PoolScaling:
         self._status_seq += 1
         self._say(f"pool {pool.name}: worker {record.worker_id} serving, {time.monotonic() - t0:.1f} s after the "
                   f"scale-out began (built and ready in {started:.1f} s, warm-up {warm:.2f} s)", logging.INFO)
+
+    def _await_placement(self, pool: str, pg) -> None:
+        """Wait for a new worker's placement group (resources a joined cluster may only get when
+        a node joins), up to start_timeout_s (GetTimeoutError). Gives up at once (_NotWanted)
+        when the pool's target comes down meanwhile or the cluster stops: the targets are taken
+        by the supervisor thread while this one waits."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        ready, end = pg.ready(), time.monotonic() + self.start_timeout_s
+        while not ray.wait([ready], timeout=0.25)[0]:
+            if self._stopping.is_set():
+                raise _NotWanted("the cluster is stopping")
+            have, want = len(self._members(pool)), self.targets.get(pool, 0)
+            if have > want:
+                raise _NotWanted(f"the pool's target is {want} now (its placement was still waiting for resources)")
+            if time.monotonic() > end:
+                raise GetTimeoutError(f"no resources for the worker's placement group within {self.start_timeout_s:g} s")
+        ray.get(ready)
 
     def _least_loaded(self, members: list[WorkerRecord]) -> WorkerRecord:
         """The worker with the fewest open requests; among equals the newest (highest index)."""
@@ -422,6 +446,10 @@ class PoolScaling:
                 r.pushed = seq
             except Exception as exc:
                 log.warning("%s: scale status: %s", r.name, _first_line(exc))
+
+
+class _NotWanted(Exception):
+    """A scale-out given up because its worker is no longer wanted (not a failed start)."""
 
 
 def _cause(exc: BaseException) -> str:

@@ -267,6 +267,17 @@ def test_scale_out_beyond_resources_is_reported_and_retried_with_backoff(tiny_mo
         threading.Event().wait(3.0)
         assert sum("failed to start" in e for e in events) == tries, events
         assert pool().current_replicas == 1
+        # a placement that would wait long (a joined cluster waiting for a node) is given up as soon
+        # as the target comes back down, not after start_timeout_s, and counts as no failure
+        c.start_timeout_s = 300.0
+        stub.Scale(pb.ScaleRequest(pool="colocated", replicas=2), timeout=10)
+        wait_until(lambda: any(w.state == "starting" for w in stub.ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=10).workers), 30, 0.05, "a worker starting")
+        t0 = time.monotonic()
+        stub.Scale(pb.ScaleRequest(pool="colocated", replicas=1), timeout=10)
+        wait_until(lambda: any("given up" in e for e in events), 10, 0.05, "the waiting scale-out given up")
+        assert time.monotonic() - t0 < 10 and sum("failed to start" in e for e in events) == tries, events
+        assert (pool().current_replicas, pool().target_replicas) == (1, 1)
     finally:
         c.stop()
     assert not our_ray_processes(), "Ray processes left after stop"
