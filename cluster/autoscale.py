@@ -42,6 +42,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from cluster.autoscale_floor import FloorFailed, RequestSamples, floor_request, run_floor
 from cluster.config import AutoscaleSettings, ClusterConfig, PoolConfig
 
 log = logging.getLogger("pdcluster.autoscale")
@@ -97,21 +98,36 @@ class Planner:
         self.state = {name: _PoolState(floor=ap.min_replicas) for name, ap in settings.pools.items()}
 
     # ---- the slow loop -------------------------------------------------------------------------
-    def set_floors(self, stats: dict) -> dict[str, int]:
-        """Floors from the slow window's statistics (`Window.slow`): Little's law."""
+    def littles_law_floors(self, stats: dict) -> dict[str, int]:
+        """Floors from the slow window's statistics (`Window.slow`) by Little's law, within each
+        pool's min and max; not applied."""
         rate, e2e = stats.get("rate", 0.0), stats.get("e2e_s", 0.0)
         prompt, prefill = stats.get("prompt_tokens", 0.0), stats.get("prefill_s", 0.0)
         floors = {}
-        for name, ap in self.s.pools.items():
+        for name in self.s.pools:
             p = self.pools[name]
             if p.role == "prefill":
                 per = max(1, p.engine.max_num_batched_tokens // max(1, int(prompt or 1)))
                 need = rate * prefill / per
             else:
                 need = rate * e2e / p.engine.max_num_seqs
-            floor = min(max(math.ceil(need - 1e-9), ap.min_replicas), ap.max_replicas)
-            self.state[name].floor = floors[name] = floor
+            floors[name] = math.ceil(need - 1e-9)
+        return self.clamp(floors)
+
+    def clamp(self, floors: dict[str, int]) -> dict[str, int]:
+        """Each autoscaled pool's floor within its min and max (its min where `floors` has none)."""
+        return {name: min(max(int(floors.get(name, ap.min_replicas)), ap.min_replicas), ap.max_replicas)
+                for name, ap in self.s.pools.items()}
+
+    def apply_floors(self, floors: dict[str, int]) -> dict[str, int]:
+        floors = self.clamp(floors)
+        for name, floor in floors.items():
+            self.state[name].floor = floor
         return floors
+
+    def set_floors(self, stats: dict) -> dict[str, int]:
+        """Little's law's floors, applied."""
+        return self.apply_floors(self.littles_law_floors(stats))
 
     # ---- the fast loop -------------------------------------------------------------------------
     def tick(self, signals: dict[str, PoolSignal], now: float) -> list[Decision]:
@@ -309,7 +325,7 @@ class Autoscaler:
     def __init__(self, config: ClusterConfig, service, targets, clock=time.monotonic) -> None:
         from prometheus_client import Counter, Gauge
 
-        self.s = config.autoscale
+        self.s, self.config = config.autoscale, config
         self.service, self.targets, self.clock = service, targets, clock
         self.pools = {p.name: p for p in config.pools}
         self.planner = Planner(self.s, config.pools, applies=self.s.mode == "on")
@@ -319,21 +335,33 @@ class Autoscaler:
                              "(in advisory mode too)", ["pool"], registry=reg)
         self.decisions_total = Counter("pdcluster_autoscale_decisions", "SLA planner decisions (hold: an up wanted "
                                        "but not made)", ["pool", "direction", "reason"], registry=reg)
+        self.floor_replicas = Gauge("pdcluster_autoscale_floor_replicas", "the slow loop's floor of the pool's "
+                                    "replicas", ["pool"], registry=reg)
+        self.floor_seconds = Gauge("pdcluster_autoscale_floor_evaluation_seconds", "wall time of the last "
+                                   "simulator floor evaluation (its process included)", registry=reg)
+        self.floor_evaluations = Counter("pdcluster_autoscale_floor_evaluations", "simulator floor evaluations by "
+                                         "outcome (ok, error, timeout, busy)", ["outcome"], registry=reg)
         self.lines: deque = deque(maxlen=256)   # (seq, JSON line) of the latest decisions
         self.seq = 0
         self.floors: dict[str, int] = {}
+        self.samples = RequestSamples(clock)     # request lengths and cached tokens (floor simulator)
         self._last_slow: float | None = None
         self._task: asyncio.Task | None = None
+        self.floor_task: asyncio.Task | None = None  # the simulator floor evaluation in flight
 
     def start(self) -> None:
+        if self.s.floor == "simulator":
+            self.samples.attach()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pdcluster-autoscale")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        self.samples.detach()
+        for task in (self._task, self.floor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._task = self.floor_task = None
 
     async def _run(self) -> None:
         while True:
@@ -370,10 +398,8 @@ class Autoscaler:
         if self._last_slow is None:
             self._last_slow = now
         elif now - self._last_slow >= self.s.slow_interval_s:
-            stats = self.window.slow(now, self.s.slow_interval_s)
-            self.floors = self.planner.set_floors(stats)
             self._last_slow = now
-            self._emit({"event": "autoscale_floor", "mode": self.s.mode, "window": stats, "floors": self.floors})
+            self.slow_step(now)
         decisions = self.planner.tick(self.signals(now), now)
         for name, n in self.planner.wanted.items():
             self.desired.labels(pool=name).set(n)
@@ -386,6 +412,73 @@ class Autoscaler:
             self.decisions_total.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
             self._emit({"event": "autoscale", "mode": self.s.mode, **asdict(d), "applied": applied})
         return decisions
+
+    # ---- the slow loop -------------------------------------------------------------------------
+    def slow_step(self, now: float) -> None:
+        """Little's law's floors at once; with floor simulator, an evaluation started instead
+        (`floor_task`), whose floors (or, when it fails, Little's law's) apply when it ends."""
+        stats = self.window.slow(now, self.s.slow_interval_s)
+        littles = self.planner.littles_law_floors(stats)
+        line = {"event": "autoscale_floor", "mode": self.s.mode, "source": "littles_law", "window": stats}
+        if self.s.floor != "simulator":
+            self._set_floors(littles)
+            self._emit({**line, "floors": self.floors})
+            return
+        stats.update(self.samples.spread(now, self.s.slow_interval_s))
+        if self.floor_task is not None and not self.floor_task.done():  # the floors stay as they are
+            self.floor_evaluations.labels(outcome="busy").inc()
+            self._emit({**line, "source": "unchanged", "floors": self.floors, "littles_law": littles,
+                        "simulator": {"skipped": "the previous evaluation is still running"}})
+            return
+        if not stats.get("rate"):  # nothing to simulate: Little's law gives each pool its min
+            self._set_floors(littles)
+            self._emit({**line, "floors": self.floors, "littles_law": littles,
+                        "simulator": {"skipped": "no request finished in the window"}})
+            return
+        request = floor_request(self.config, {n: self.targets.target(n) for n in self.pools}, self._pages(),
+                                self._fit(stats), self.s.floor_budget_s)
+        self.floor_task = asyncio.get_running_loop().create_task(self._simulate(line, littles, request),
+                                                                 name="pdcluster-autoscale-floor")
+
+    @staticmethod
+    def _fit(stats: dict) -> dict:
+        """The window as planning.floor.WindowFit reads it (no spread observed: every request the mean)."""
+        return {"rate": stats["rate"],
+                "prompt": {"mean": stats.get("prompt_tokens", 0.0), "cv": stats.get("prompt_cv") or 0.0},
+                "output": {"mean": stats.get("output_tokens", 0.0), "cv": stats.get("output_cv") or 0.0},
+                "prefix_hit": stats.get("prefix_hit") or 0.0}
+
+    def _pages(self) -> dict[str, int]:
+        """KV pages per replica as each pool's serving workers report them."""
+        out: dict[str, int] = {}
+        for v in self.service.dispatcher.views.values():
+            if v.load is not None and v.load.total_pages:
+                out[v.pool] = max(out.get(v.pool, 0), v.load.total_pages)
+        return out
+
+    async def _simulate(self, line: dict, littles: dict[str, int], request: dict) -> None:
+        t0 = time.monotonic()
+        try:
+            answer = await run_floor(request, self.s.floor_timeout_s)
+        except (FloorFailed, OSError) as exc:
+            outcome = exc.outcome if isinstance(exc, FloorFailed) else "error"
+            sim, floors = {"error": f"{outcome}: {exc}"}, littles
+            log.warning("autoscale floor: the simulator's evaluation failed (%s); Little's law's floors %s apply",
+                        sim["error"], littles)
+        else:
+            outcome, floors, line = "ok", answer["floors"], {**line, "source": "simulator"}
+            sim = {k: answer.get(k) for k in ("floors", "meets", "complete", "requests", "span_s", "seconds",
+                                              "process_s", "candidates")}
+        sim["wall_s"] = round(time.monotonic() - t0, 3)
+        self.floor_seconds.set(sim["wall_s"])
+        self.floor_evaluations.labels(outcome=outcome).inc()
+        self._set_floors(floors)
+        self._emit({**line, "floors": self.floors, "littles_law": littles, "simulator": sim})
+
+    def _set_floors(self, floors: dict[str, int]) -> None:
+        self.floors = self.planner.apply_floors(floors)
+        for name, n in self.floors.items():
+            self.floor_replicas.labels(pool=name).set(n)
 
     def _emit(self, fields: dict) -> None:
         line = json.dumps(fields, separators=(",", ":"))
