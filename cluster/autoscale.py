@@ -22,12 +22,20 @@ Two loops:
   `down_cooldown_s`, not below min_replicas nor the slow loop's floor. At zero traffic (no request
   in the window, nothing running or waiting) pools go to min_replicas.
 - the slow loop (`slow_interval_s`): over its window, the arrival rate lambda (finished requests
-  per second), mean prompt and output tokens and mean time in the system W; Little's law gives
-  the requests in the system L = lambda * W, and a pool's floor is the replicas whose batches hold
-  them: ceil(L / max_num_seqs) for decode and colocated pools, ceil(lambda * mean prefill time /
-  (max_num_batched_tokens // mean prompt)) for prefill pools. planning's simulator is not run
-  here: it needs a latency profile of each pool's hardware (planning.profile) that a running
-  cluster does not have, and planning sits above cluster in the package layers.
+  per second), mean prompt and output tokens and mean time in the system W. With `floor:
+  littles_law` (the default), Little's law gives the requests in the system L = lambda * W, and a
+  pool's floor is the replicas whose batches hold them: ceil(L / max_num_seqs) for decode and
+  colocated pools, ceil(lambda * mean prefill time / (max_num_batched_tokens // mean prompt)) for
+  prefill pools. With `floor: simulator`, planning's simulator sets them (planning/floor.py): the
+  window's fit (rate, length means and coefficients of variation and the prefix-hit rate, these
+  from the router's request log lines: autoscale_window.RequestSamples) goes with the config, the
+  pools' targets and reported KV pages and the profile (`autoscale.profile`, read when the config
+  was loaded) to `python -m planning.floor`, a process of its own (autoscale_floor.run_floor:
+  planning sits above cluster in the package layers, and its CPU stays off this event loop, which
+  only awaits the answer). One evaluation at a time; the floors stay as they were until it
+  answers, and where it fails or passes `floor_timeout_s` (the process is killed), Little's law's
+  floors apply and the reason is logged. Either way one `autoscale_floor` line carries the
+  window, both floors and each simulated candidate's TTFT and ITL.
 
 `Planner` is the decision logic alone (no I/O, a clock passed in): tests/unit/test_autoscale.py.
 """
@@ -42,7 +50,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from cluster.autoscale_floor import FloorFailed, RequestSamples, floor_request, run_floor
+from cluster.autoscale_floor import FloorFailed, floor_request, run_floor
+from cluster.autoscale_window import RequestSamples, Window
 from cluster.config import AutoscaleSettings, ClusterConfig, PoolConfig
 
 log = logging.getLogger("pdcluster.autoscale")
@@ -217,103 +226,6 @@ class Planner:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
-
-
-# ---- the router's observations over a window ------------------------------------------------------
-def _samples(metric) -> list:
-    return [s for fam in metric.collect() for s in fam.samples]
-
-
-def _hist(metric) -> tuple[list[float], list[float], float, float]:
-    """(upper bounds, cumulative counts, count, sum) of a prometheus_client Histogram."""
-    bounds, counts, total, sum_ = [], [], 0.0, 0.0
-    for s in _samples(metric):
-        if s.name.endswith("_bucket"):
-            bounds.append(float(s.labels["le"]))
-            counts.append(s.value)
-        elif s.name.endswith("_count"):
-            total = s.value
-        elif s.name.endswith("_sum"):
-            sum_ = s.value
-    return bounds, counts, total, sum_
-
-
-def _counter(metric) -> float:
-    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
-
-
-def percentile(bounds: list[float], counts: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) of a histogram's cumulative bucket counts, linearly
-    interpolated inside its bucket; a value past the last finite bound is that bound."""
-    if not counts or counts[-1] <= 0:
-        return None
-    want = q / 100.0 * counts[-1]
-    prev_b, prev_c = 0.0, 0.0
-    for b, c in zip(bounds, counts):
-        if c >= want:
-            if math.isinf(b):
-                return prev_b
-            return prev_b + (b - prev_b) * ((want - prev_c) / (c - prev_c) if c > prev_c else 1.0)
-        prev_b, prev_c = b, c
-    return prev_b
-
-
-class Window:
-    """Snapshots of a router's request metrics (router.metrics.RouterMetrics), differenced over
-    the fast and the slow window."""
-
-    def __init__(self, metrics, keep_s: float) -> None:
-        self.m, self.keep_s = metrics, keep_s
-        self.snaps: deque = deque()
-
-    def snapshot(self, now: float) -> None:
-        m = self.m
-        self.snaps.append((now, {"ttft": _hist(m.ttft), "itl": _hist(m.itl), "e2e": _hist(m.e2e),
-                                 "prefill": _hist(m.prefill), "requests": _counter(m.requests),
-                                 "prompt": _counter(m.prompt_tokens), "generated": _counter(m.generation_tokens)}))
-        while len(self.snaps) > 2 and now - self.snaps[1][0] >= self.keep_s:
-            self.snaps.popleft()
-
-    def _pair(self, now: float, span: float):
-        if not self.snaps:
-            return None, None
-        last = self.snaps[-1]
-        first = next((x for x in self.snaps if now - x[0] <= span + 1e-6), last)
-        if first is last and len(self.snaps) > 1 and now - self.snaps[-2][0] <= span + 1e-6:
-            first = self.snaps[-2]
-        return first, last
-
-    def fast(self, now: float, span: float, q: float) -> dict:
-        """TTFT and ITL percentile q over the last `span` seconds (None where no sample), and the
-        requests that got their first token."""
-        first, last = self._pair(now, span)
-        if first is None or first is last:
-            return {"ttft_s": None, "itl_s": None, "requests": 0}
-        out = {}
-        for key in ("ttft", "itl"):
-            b, c1 = last[1][key][0], last[1][key][1]
-            c0 = first[1][key][1]
-            diff = [a - z for a, z in zip(c1, c0)]
-            out[f"{key}_s"] = percentile(b, diff, q)
-        out["requests"] = int(last[1]["ttft"][2] - first[1]["ttft"][2])
-        return out
-
-    def slow(self, now: float, span: float) -> dict:
-        """Over the last `span` seconds: finished requests per second, mean prompt and output
-        tokens, mean time in the system and mean prefill time."""
-        first, last = self._pair(now, span)
-        if first is None or first is last:
-            return {"rate": 0.0, "seconds": 0.0}
-        a, z = first[1], last[1]
-        secs = last[0] - first[0]
-        n = z["requests"] - a["requests"]
-        e2e_n = z["e2e"][2] - a["e2e"][2]
-        pre_n = z["prefill"][2] - a["prefill"][2]
-        return {"seconds": round(secs, 1), "requests": int(n), "rate": n / secs if secs > 0 else 0.0,
-                "prompt_tokens": (z["prompt"] - a["prompt"]) / n if n else 0.0,
-                "output_tokens": (z["generated"] - a["generated"]) / n if n else 0.0,
-                "e2e_s": (z["e2e"][3] - a["e2e"][3]) / e2e_n if e2e_n else 0.0,
-                "prefill_s": (z["prefill"][3] - a["prefill"][3]) / pre_n if pre_n else 0.0}
 
 
 # ---- the planner in router 0 --------------------------------------------------------------------

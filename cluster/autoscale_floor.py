@@ -1,7 +1,6 @@
 """The slow loop's simulator floor, the router's side (config `autoscale.floor: simulator`):
-`RequestSamples` keeps the prompt, output and cached tokens of each finished request (from the
-router's request log lines) for the window's length spread and prefix-hit rate, `floor_request`
-builds what planning.floor reads, and `run_floor` runs it in a process of its own.
+`floor_request` builds what planning.floor reads (the window's fit itself comes from
+autoscale_window), and `run_floor` runs it in a process of its own.
 
 Why a process: planning sits above cluster in the package layers, and the router's process
 never imports the simulator (its engine types); a process also keeps the simulation's CPU off
@@ -12,76 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import math
 import os
 import sys
-import time
-from collections import deque
 from pathlib import Path
-
-REQUEST_LOGGER = "pdcluster.requests"  # router.metrics.log_request: one JSON line per request
 
 
 class FloorFailed(Exception):
     def __init__(self, outcome: str, reason: str) -> None:
         super().__init__(reason)
         self.outcome = outcome  # error | timeout
-
-
-class RequestSamples(logging.Handler):
-    """(time, prompt, output, cached tokens) of the router's finished requests, the latest `keep`."""
-
-    def __init__(self, clock=time.monotonic, keep: int = 8192) -> None:
-        super().__init__(logging.INFO)
-        self.clock = clock
-        self.samples: deque = deque(maxlen=keep)
-        self._restore: tuple[int, bool] | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            d = json.loads(record.getMessage())
-            if "error" not in d:
-                self.samples.append((self.clock(), int(d["prompt_tokens"]), int(d["completion_tokens"]),
-                                     int(d.get("cached_tokens", 0))))
-        except (ValueError, KeyError, TypeError):
-            pass
-
-    def attach(self) -> None:
-        """The request lines are made only when the logger is enabled for INFO: where they were not,
-        enable it and stop them propagating, so that they still go nowhere else."""
-        logger = logging.getLogger(REQUEST_LOGGER)
-        if not logger.isEnabledFor(logging.INFO):
-            self._restore = (logger.level, logger.propagate)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
-        logger.addHandler(self)
-
-    def detach(self) -> None:
-        logger = logging.getLogger(REQUEST_LOGGER)
-        logger.removeHandler(self)
-        if self._restore is not None:
-            logger.setLevel(self._restore[0])
-            logger.propagate = self._restore[1]
-            self._restore = None
-
-    def spread(self, now: float, span: float) -> dict:
-        """Over the last `span` seconds: samples, the coefficient of variation (standard deviation
-        / mean) of prompt and output lengths, and the prefix-cache hit rate (cached / prompt tokens)."""
-        rows = [s for s in self.samples if now - s[0] <= span + 1e-6]
-        out = {"samples": len(rows), "prompt_cv": None, "output_cv": None, "prefix_hit": None}
-        if rows:
-            prompt = sum(r[1] for r in rows)
-            out["prefix_hit"] = round(min(1.0, sum(r[3] for r in rows) / prompt), 4) if prompt else 0.0
-        if len(rows) >= 2:
-            out["prompt_cv"] = round(_cv([r[1] for r in rows]), 4)
-            out["output_cv"] = round(_cv([r[2] for r in rows]), 4)
-        return out
-
-
-def _cv(xs: list[int]) -> float:
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) / m if m > 0 else 0.0
 
 
 def floor_request(config, targets: dict[str, int], pages: dict[str, int], window: dict, budget_s: float) -> dict:

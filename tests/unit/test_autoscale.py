@@ -8,7 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.autoscale import Autoscaler, Planner, PoolSignal, Window, percentile
+from cluster.autoscale import Autoscaler, Planner, PoolSignal
+from cluster.autoscale_window import Window, percentile
 from cluster.config import ClusterConfig
 from router.metrics import RouterMetrics
 from router.service import PoolTargets
@@ -275,7 +276,7 @@ def _profile(tmp_path, **lm):
 def test_request_samples_give_the_window_spread_and_prefix_hits():
     import logging
 
-    from cluster.autoscale_floor import RequestSamples
+    from cluster.autoscale_window import RequestSamples
     from router.metrics import log_request
 
     logger = logging.getLogger("pdcluster.requests")
