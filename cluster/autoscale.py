@@ -372,9 +372,10 @@ class Autoscaler:
         t0 = time.monotonic()
         try:
             answer = await run_floor(request, self.s.floor_timeout_s)
-        except (FloorFailed, OSError) as exc:
+        except Exception as exc:  # FloorFailed, or the process could not start: never the router's problem
             outcome = exc.outcome if isinstance(exc, FloorFailed) else "error"
-            sim, floors = {"error": f"{outcome}: {exc}"}, littles
+            sim, floors = {"error": f"{outcome}: {exc}" if isinstance(exc, FloorFailed)
+                           else f"{outcome}: {type(exc).__name__}: {exc}"}, littles
             log.warning("autoscale floor: the simulator's evaluation failed (%s); Little's law's floors %s apply",
                         sim["error"], littles)
         else:

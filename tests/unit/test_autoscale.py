@@ -424,3 +424,27 @@ def test_the_planner_side_imports_neither_planning_nor_torch():
             "if m.split('.')[0] in ('planning', 'torch', 'loadgen')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_stopping_the_planner_ends_an_evaluation_in_flight(tmp_path, caplog):
+    import asyncio
+    import time
+
+    cfg = config(floor="simulator", profile=_profile(tmp_path), slow_interval_s=20, floor_timeout_s=15)
+    svc = _Service()
+    now = [0.0]
+    a = Autoscaler(cfg, svc, PoolTargets({"colocated": "colocated"}, {"colocated": 1}), clock=lambda: now[0])
+
+    async def go():
+        a.step()
+        _drive(a, svc, now)
+        with caplog.at_level("INFO", logger="pdcluster.autoscale"):
+            a.step()
+            task = a.floor_task
+            await asyncio.sleep(0.2)  # its process is starting
+            t0 = time.monotonic()
+            await a.stop()
+            return task, time.monotonic() - t0
+    task, took = asyncio.run(go())
+    assert task.cancelled() and a.floor_task is None and took < 5.0
+    assert not [r for r in caplog.records if "autoscale_floor" in r.getMessage()]  # no floors from it
