@@ -336,7 +336,7 @@ class Autoscaler:
             self._set_floors(littles)
             self._emit({**line, "floors": self.floors})
             return
-        stats.update(self.samples.spread(now, self.s.slow_interval_s))
+        stats.update(self.samples.spread(now, stats.get("seconds") or self.s.slow_interval_s))  # the same span
         if self.floor_task is not None and not self.floor_task.done():  # the floors stay as they are
             self.floor_evaluations.labels(outcome="busy").inc()
             self._emit({**line, "source": "unchanged", "floors": self.floors, "littles_law": littles,
