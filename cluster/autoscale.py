@@ -22,12 +22,20 @@ Two loops:
   `down_cooldown_s`, not below min_replicas nor the slow loop's floor. At zero traffic (no request
   in the window, nothing running or waiting) pools go to min_replicas.
 - the slow loop (`slow_interval_s`): over its window, the arrival rate lambda (finished requests
-  per second), mean prompt and output tokens and mean time in the system W; Little's law gives
-  the requests in the system L = lambda * W, and a pool's floor is the replicas whose batches hold
-  them: ceil(L / max_num_seqs) for decode and colocated pools, ceil(lambda * mean prefill time /
-  (max_num_batched_tokens // mean prompt)) for prefill pools. planning's simulator is not run
-  here: it needs a latency profile of each pool's hardware (planning.profile) that a running
-  cluster does not have, and planning sits above cluster in the package layers.
+  per second), mean prompt and output tokens and mean time in the system W. With `floor:
+  littles_law` (the default), Little's law gives the requests in the system L = lambda * W, and a
+  pool's floor is the replicas whose batches hold them: ceil(L / max_num_seqs) for decode and
+  colocated pools, ceil(lambda * mean prefill time / (max_num_batched_tokens // mean prompt)) for
+  prefill pools. With `floor: simulator`, planning's simulator sets them (planning/floor.py): the
+  window's fit (rate, length means and coefficients of variation and the prefix-hit rate, these
+  from the router's request log lines: autoscale_window.RequestSamples) goes with the config, the
+  pools' targets and reported KV pages and the profile (`autoscale.profile`, read when the config
+  was loaded) to `python -m planning.floor`, a process of its own (autoscale_floor.run_floor:
+  planning sits above cluster in the package layers, and its CPU stays off this event loop, which
+  only awaits the answer). One evaluation at a time; the floors stay as they were until it
+  answers, and where it fails or passes `floor_timeout_s` (the process is killed), Little's law's
+  floors apply and the reason is logged. Either way one `autoscale_floor` line carries the
+  window, both floors and each simulated candidate's TTFT and ITL.
 
 `Planner` is the decision logic alone (no I/O, a clock passed in): tests/unit/test_autoscale.py.
 """
@@ -42,6 +50,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from cluster.autoscale_floor import FloorFailed, floor_request, run_floor
+from cluster.autoscale_window import RequestSamples, Window
 from cluster.config import AutoscaleSettings, ClusterConfig, PoolConfig
 
 log = logging.getLogger("pdcluster.autoscale")
@@ -97,21 +107,36 @@ class Planner:
         self.state = {name: _PoolState(floor=ap.min_replicas) for name, ap in settings.pools.items()}
 
     # ---- the slow loop -------------------------------------------------------------------------
-    def set_floors(self, stats: dict) -> dict[str, int]:
-        """Floors from the slow window's statistics (`Window.slow`): Little's law."""
+    def littles_law_floors(self, stats: dict) -> dict[str, int]:
+        """Floors from the slow window's statistics (`Window.slow`) by Little's law, within each
+        pool's min and max; not applied."""
         rate, e2e = stats.get("rate", 0.0), stats.get("e2e_s", 0.0)
         prompt, prefill = stats.get("prompt_tokens", 0.0), stats.get("prefill_s", 0.0)
         floors = {}
-        for name, ap in self.s.pools.items():
+        for name in self.s.pools:
             p = self.pools[name]
             if p.role == "prefill":
                 per = max(1, p.engine.max_num_batched_tokens // max(1, int(prompt or 1)))
                 need = rate * prefill / per
             else:
                 need = rate * e2e / p.engine.max_num_seqs
-            floor = min(max(math.ceil(need - 1e-9), ap.min_replicas), ap.max_replicas)
-            self.state[name].floor = floors[name] = floor
+            floors[name] = math.ceil(need - 1e-9)
+        return self.clamp(floors)
+
+    def clamp(self, floors: dict[str, int]) -> dict[str, int]:
+        """Each autoscaled pool's floor within its min and max (its min where `floors` has none)."""
+        return {name: min(max(int(floors.get(name, ap.min_replicas)), ap.min_replicas), ap.max_replicas)
+                for name, ap in self.s.pools.items()}
+
+    def apply_floors(self, floors: dict[str, int]) -> dict[str, int]:
+        floors = self.clamp(floors)
+        for name, floor in floors.items():
+            self.state[name].floor = floor
         return floors
+
+    def set_floors(self, stats: dict) -> dict[str, int]:
+        """Little's law's floors, applied."""
+        return self.apply_floors(self.littles_law_floors(stats))
 
     # ---- the fast loop -------------------------------------------------------------------------
     def tick(self, signals: dict[str, PoolSignal], now: float) -> list[Decision]:
@@ -203,103 +228,6 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-# ---- the router's observations over a window ------------------------------------------------------
-def _samples(metric) -> list:
-    return [s for fam in metric.collect() for s in fam.samples]
-
-
-def _hist(metric) -> tuple[list[float], list[float], float, float]:
-    """(upper bounds, cumulative counts, count, sum) of a prometheus_client Histogram."""
-    bounds, counts, total, sum_ = [], [], 0.0, 0.0
-    for s in _samples(metric):
-        if s.name.endswith("_bucket"):
-            bounds.append(float(s.labels["le"]))
-            counts.append(s.value)
-        elif s.name.endswith("_count"):
-            total = s.value
-        elif s.name.endswith("_sum"):
-            sum_ = s.value
-    return bounds, counts, total, sum_
-
-
-def _counter(metric) -> float:
-    return sum(s.value for s in _samples(metric) if s.name.endswith("_total"))
-
-
-def percentile(bounds: list[float], counts: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) of a histogram's cumulative bucket counts, linearly
-    interpolated inside its bucket; a value past the last finite bound is that bound."""
-    if not counts or counts[-1] <= 0:
-        return None
-    want = q / 100.0 * counts[-1]
-    prev_b, prev_c = 0.0, 0.0
-    for b, c in zip(bounds, counts):
-        if c >= want:
-            if math.isinf(b):
-                return prev_b
-            return prev_b + (b - prev_b) * ((want - prev_c) / (c - prev_c) if c > prev_c else 1.0)
-        prev_b, prev_c = b, c
-    return prev_b
-
-
-class Window:
-    """Snapshots of a router's request metrics (router.metrics.RouterMetrics), differenced over
-    the fast and the slow window."""
-
-    def __init__(self, metrics, keep_s: float) -> None:
-        self.m, self.keep_s = metrics, keep_s
-        self.snaps: deque = deque()
-
-    def snapshot(self, now: float) -> None:
-        m = self.m
-        self.snaps.append((now, {"ttft": _hist(m.ttft), "itl": _hist(m.itl), "e2e": _hist(m.e2e),
-                                 "prefill": _hist(m.prefill), "requests": _counter(m.requests),
-                                 "prompt": _counter(m.prompt_tokens), "generated": _counter(m.generation_tokens)}))
-        while len(self.snaps) > 2 and now - self.snaps[1][0] >= self.keep_s:
-            self.snaps.popleft()
-
-    def _pair(self, now: float, span: float):
-        if not self.snaps:
-            return None, None
-        last = self.snaps[-1]
-        first = next((x for x in self.snaps if now - x[0] <= span + 1e-6), last)
-        if first is last and len(self.snaps) > 1 and now - self.snaps[-2][0] <= span + 1e-6:
-            first = self.snaps[-2]
-        return first, last
-
-    def fast(self, now: float, span: float, q: float) -> dict:
-        """TTFT and ITL percentile q over the last `span` seconds (None where no sample), and the
-        requests that got their first token."""
-        first, last = self._pair(now, span)
-        if first is None or first is last:
-            return {"ttft_s": None, "itl_s": None, "requests": 0}
-        out = {}
-        for key in ("ttft", "itl"):
-            b, c1 = last[1][key][0], last[1][key][1]
-            c0 = first[1][key][1]
-            diff = [a - z for a, z in zip(c1, c0)]
-            out[f"{key}_s"] = percentile(b, diff, q)
-        out["requests"] = int(last[1]["ttft"][2] - first[1]["ttft"][2])
-        return out
-
-    def slow(self, now: float, span: float) -> dict:
-        """Over the last `span` seconds: finished requests per second, mean prompt and output
-        tokens, mean time in the system and mean prefill time."""
-        first, last = self._pair(now, span)
-        if first is None or first is last:
-            return {"rate": 0.0, "seconds": 0.0}
-        a, z = first[1], last[1]
-        secs = last[0] - first[0]
-        n = z["requests"] - a["requests"]
-        e2e_n = z["e2e"][2] - a["e2e"][2]
-        pre_n = z["prefill"][2] - a["prefill"][2]
-        return {"seconds": round(secs, 1), "requests": int(n), "rate": n / secs if secs > 0 else 0.0,
-                "prompt_tokens": (z["prompt"] - a["prompt"]) / n if n else 0.0,
-                "output_tokens": (z["generated"] - a["generated"]) / n if n else 0.0,
-                "e2e_s": (z["e2e"][3] - a["e2e"][3]) / e2e_n if e2e_n else 0.0,
-                "prefill_s": (z["prefill"][3] - a["prefill"][3]) / pre_n if pre_n else 0.0}
-
-
 # ---- the planner in router 0 --------------------------------------------------------------------
 class Autoscaler:
     """Runs `Planner` on a router: inputs from its dispatcher's views and its metrics, decisions
@@ -309,7 +237,7 @@ class Autoscaler:
     def __init__(self, config: ClusterConfig, service, targets, clock=time.monotonic) -> None:
         from prometheus_client import Counter, Gauge
 
-        self.s = config.autoscale
+        self.s, self.config = config.autoscale, config
         self.service, self.targets, self.clock = service, targets, clock
         self.pools = {p.name: p for p in config.pools}
         self.planner = Planner(self.s, config.pools, applies=self.s.mode == "on")
@@ -319,21 +247,33 @@ class Autoscaler:
                              "(in advisory mode too)", ["pool"], registry=reg)
         self.decisions_total = Counter("pdcluster_autoscale_decisions", "SLA planner decisions (hold: an up wanted "
                                        "but not made)", ["pool", "direction", "reason"], registry=reg)
+        self.floor_replicas = Gauge("pdcluster_autoscale_floor_replicas", "the slow loop's floor of the pool's "
+                                    "replicas", ["pool"], registry=reg)
+        self.floor_seconds = Gauge("pdcluster_autoscale_floor_evaluation_seconds", "wall time of the last "
+                                   "simulator floor evaluation (its process included)", registry=reg)
+        self.floor_evaluations = Counter("pdcluster_autoscale_floor_evaluations", "simulator floor evaluations by "
+                                         "outcome (ok, error, timeout, busy)", ["outcome"], registry=reg)
         self.lines: deque = deque(maxlen=256)   # (seq, JSON line) of the latest decisions
         self.seq = 0
         self.floors: dict[str, int] = {}
+        self.samples = RequestSamples(clock)     # request lengths and cached tokens (floor simulator)
         self._last_slow: float | None = None
         self._task: asyncio.Task | None = None
+        self.floor_task: asyncio.Task | None = None  # the simulator floor evaluation in flight
 
     def start(self) -> None:
+        if self.s.floor == "simulator":
+            self.samples.attach()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pdcluster-autoscale")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        self.samples.detach()
+        for task in (self._task, self.floor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._task = self.floor_task = None
 
     async def _run(self) -> None:
         while True:
@@ -370,10 +310,8 @@ class Autoscaler:
         if self._last_slow is None:
             self._last_slow = now
         elif now - self._last_slow >= self.s.slow_interval_s:
-            stats = self.window.slow(now, self.s.slow_interval_s)
-            self.floors = self.planner.set_floors(stats)
             self._last_slow = now
-            self._emit({"event": "autoscale_floor", "mode": self.s.mode, "window": stats, "floors": self.floors})
+            self.slow_step(now)
         decisions = self.planner.tick(self.signals(now), now)
         for name, n in self.planner.wanted.items():
             self.desired.labels(pool=name).set(n)
@@ -386,6 +324,74 @@ class Autoscaler:
             self.decisions_total.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
             self._emit({"event": "autoscale", "mode": self.s.mode, **asdict(d), "applied": applied})
         return decisions
+
+    # ---- the slow loop -------------------------------------------------------------------------
+    def slow_step(self, now: float) -> None:
+        """Little's law's floors at once; with floor simulator, an evaluation started instead
+        (`floor_task`), whose floors (or, when it fails, Little's law's) apply when it ends."""
+        stats = self.window.slow(now, self.s.slow_interval_s)
+        littles = self.planner.littles_law_floors(stats)
+        line = {"event": "autoscale_floor", "mode": self.s.mode, "source": "littles_law", "window": stats}
+        if self.s.floor != "simulator":
+            self._set_floors(littles)
+            self._emit({**line, "floors": self.floors})
+            return
+        stats.update(self.samples.spread(now, stats.get("seconds") or self.s.slow_interval_s))  # the same span
+        if self.floor_task is not None and not self.floor_task.done():  # the floors stay as they are
+            self.floor_evaluations.labels(outcome="busy").inc()
+            self._emit({**line, "source": "unchanged", "floors": self.floors, "littles_law": littles,
+                        "simulator": {"skipped": "the previous evaluation is still running"}})
+            return
+        if not stats.get("rate"):  # nothing to simulate: Little's law gives each pool its min
+            self._set_floors(littles)
+            self._emit({**line, "floors": self.floors, "littles_law": littles,
+                        "simulator": {"skipped": "no request finished in the window"}})
+            return
+        request = floor_request(self.config, {n: self.targets.target(n) for n in self.pools}, self._pages(),
+                                self._fit(stats), self.s.floor_budget_s)
+        self.floor_task = asyncio.get_running_loop().create_task(self._simulate(line, littles, request),
+                                                                 name="pdcluster-autoscale-floor")
+
+    @staticmethod
+    def _fit(stats: dict) -> dict:
+        """The window as planning.floor.WindowFit reads it (no spread observed: every request the mean)."""
+        return {"rate": stats["rate"],
+                "prompt": {"mean": stats.get("prompt_tokens", 0.0), "cv": stats.get("prompt_cv") or 0.0},
+                "output": {"mean": stats.get("output_tokens", 0.0), "cv": stats.get("output_cv") or 0.0},
+                "prefix_hit": stats.get("prefix_hit") or 0.0}
+
+    def _pages(self) -> dict[str, int]:
+        """KV pages per replica as each pool's serving workers report them."""
+        out: dict[str, int] = {}
+        for v in self.service.dispatcher.views.values():
+            if v.load is not None and v.load.total_pages:
+                out[v.pool] = max(out.get(v.pool, 0), v.load.total_pages)
+        return out
+
+    async def _simulate(self, line: dict, littles: dict[str, int], request: dict) -> None:
+        t0 = time.monotonic()
+        try:
+            answer = await run_floor(request, self.s.floor_timeout_s)
+        except Exception as exc:  # FloorFailed, or the process could not start: never the router's problem
+            outcome = exc.outcome if isinstance(exc, FloorFailed) else "error"
+            sim, floors = {"error": f"{outcome}: {exc}" if isinstance(exc, FloorFailed)
+                           else f"{outcome}: {type(exc).__name__}: {exc}"}, littles
+            log.warning("autoscale floor: the simulator's evaluation failed (%s); Little's law's floors %s apply",
+                        sim["error"], littles)
+        else:
+            outcome, floors, line = "ok", answer["floors"], {**line, "source": "simulator"}
+            sim = {k: answer.get(k) for k in ("floors", "meets", "complete", "requests", "span_s", "seconds",
+                                              "process_s", "candidates")}
+        sim["wall_s"] = round(time.monotonic() - t0, 3)
+        self.floor_seconds.set(sim["wall_s"])
+        self.floor_evaluations.labels(outcome=outcome).inc()
+        self._set_floors(floors)
+        self._emit({**line, "floors": self.floors, "littles_law": littles, "simulator": sim})
+
+    def _set_floors(self, floors: dict[str, int]) -> None:
+        self.floors = self.planner.apply_floors(floors)
+        for name, n in self.floors.items():
+            self.floor_replicas.labels(pool=name).set(n)
 
     def _emit(self, fields: dict) -> None:
         line = json.dumps(fields, separators=(",", ":"))

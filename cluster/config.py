@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from router.policy import POLICIES
 
@@ -295,7 +295,61 @@ class AutoscaleSettings(_Strict):
     slow_interval_s: float = Field(120.0, ge=10, le=3600,
                                    description="period and window of the slow loop: arrival rate, prompt and "
                                                "output lengths and time in the system over this window give "
-                                               "each pool a floor of replicas (Little's law, docs/operations.md)")
+                                               "each pool a floor of replicas (`floor`, docs/operations.md)")
+    floor: Literal["littles_law", "simulator"] = Field(
+        "littles_law", description="how the slow loop sets each pool's floor: littles_law (the requests in the "
+                                   "system over what a replica's batch holds), or simulator (planning's simulator, "
+                                   "in a process of its own, replays a workload drawn from the window's arrival "
+                                   "rate, lengths and prefix hits on the profile's step times; the smallest replica "
+                                   "counts that hold the SLO are the floors; needs `profile`; where an evaluation "
+                                   "fails or times out, Little's law's floors apply, logged)")
+    profile: str | None = Field(None, description="with floor simulator: a profile JSON of the step times of the "
+                                                  "pools' hardware, as `pdcluster plan profile` writes it (or a "
+                                                  "bare LatencyModel JSON); read where the config is loaded and "
+                                                  "carried to router 0; null: none (floor simulator refused)")
+    floor_budget_s: float = Field(2.0, ge=0.1, le=60,
+                                  description="the simulator floor's search starts no candidate replica count after "
+                                              "this many seconds (a search cut short returns the next count it "
+                                              "would have tried: a lower bound)")
+    floor_timeout_s: float = Field(20.0, ge=1, le=600,
+                                   description="the simulator floor's process is killed after this many seconds and "
+                                               "Little's law's floor is used; with floor simulator, above "
+                                               "floor_budget_s and below slow_interval_s (one evaluation at a time)")
+    _profile_json: dict | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _floor_has_a_profile(self) -> AutoscaleSettings:
+        if self.profile is not None:
+            self._profile_json = _read_profile(self.profile)
+        if self.floor == "simulator" and self.profile is None:
+            raise ValueError("autoscale.profile is required by autoscale.floor: simulator (a profile JSON from "
+                             "`pdcluster plan profile`), got null")
+        if self.floor == "simulator" and not self.floor_budget_s < self.floor_timeout_s < self.slow_interval_s:
+            raise ValueError(f"autoscale.floor_timeout_s must be in (floor_budget_s {self.floor_budget_s:g}, "
+                             f"slow_interval_s {self.slow_interval_s:g}), got {self.floor_timeout_s:g}")
+        return self
+
+    @property
+    def profile_json(self) -> dict | None:
+        """The profile's content, read when the config was validated (it travels with the config)."""
+        return self._profile_json
+
+
+def _read_profile(path: str) -> dict:
+    """The profile JSON at `path`, checked for the step-time fields planning.latency.LatencyModel needs."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"autoscale.profile: cannot read {path!r} as JSON: {exc}") from None
+    lm = data.get("latency_model", data) if isinstance(data, dict) else None
+    ok = (isinstance(lm, dict) and isinstance(lm.get("prefill"), list) and len(lm["prefill"]) == 4
+          and isinstance(lm.get("decode"), list) and len(lm["decode"]) == 3)
+    if not ok:
+        raise ValueError(f"autoscale.profile: {path!r} is not a profile: expected `pdcluster plan profile`'s JSON "
+                         f"(a latency_model with prefill [4 numbers] and decode [3 numbers])")
+    return data
 
 
 class ClusterConfig(_Strict):

@@ -8,7 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.autoscale import Autoscaler, Planner, PoolSignal, Window, percentile
+from cluster.autoscale import Autoscaler, Planner, PoolSignal
+from cluster.autoscale_window import Window, percentile
 from cluster.config import ClusterConfig
 from router.metrics import RouterMetrics
 from router.service import PoolTargets
@@ -248,3 +249,202 @@ def test_config_errors_name_the_field_and_range(auto, field_):
 
 def test_config_default_is_off():
     assert ClusterConfig.model_validate({"pools": [{"name": "c", "role": "colocated"}]}).autoscale.mode == "off"
+
+
+# ---- the slow loop's simulator floor (config autoscale.floor: simulator) ---------------------------
+def test_floors_are_computed_apart_from_being_applied_and_kept_in_bounds():
+    p = planner()
+    assert p.littles_law_floors({"rate": 100.0, "e2e_s": 100.0}) == {"colocated": 3}
+    assert p.state["colocated"].floor == 1  # not applied
+    assert p.apply_floors({"colocated": 9}) == {"colocated": 3} and p.state["colocated"].floor == 3
+    assert p.apply_floors({}) == {"colocated": 1}
+    p.apply_floors({"colocated": 2})
+    p.tick({"colocated": idle()}, 0.0)
+    (d,) = p.tick({"colocated": idle()}, 1.0)
+    assert (d.direction, d.reason, d.desired) == ("up", "floor", 2)
+
+
+def _profile(tmp_path, **lm):
+    from planning.latency import LatencyModel
+
+    path = tmp_path / "profile.json"
+    model = LatencyModel(prefill=(0.01, 1.5e-4, 1e-8, 0.0), decode=(0.015, 0.002, 2e-7), **lm)
+    path.write_text(json.dumps({"latency_model": model.to_json(), "model": "test"}))
+    return str(path)
+
+
+def test_request_samples_give_the_window_spread_and_prefix_hits():
+    import logging
+
+    from cluster.autoscale_window import RequestSamples
+    from router.metrics import log_request
+
+    logger = logging.getLogger("pdcluster.requests")
+    before = (logger.level, logger.propagate)
+    now = [0.0]
+    s = RequestSamples(lambda: now[0])
+    s.attach()
+    try:
+        for i, (p, o, c) in enumerate([(100, 10, 0), (300, 30, 100), (200, 20, 100)]):
+            now[0] = float(i)
+            log_request({"request_id": str(i), "prompt_tokens": p, "completion_tokens": o, "cached_tokens": c})
+        log_request({"request_id": "x", "prompt_tokens": 5000, "completion_tokens": 0, "error": "CANCELLED"})
+    finally:
+        s.detach()
+    assert (logger.level, logger.propagate) == before
+    assert s.spread(2.0, 60.0) == {"samples": 3, "prompt_cv": 0.5, "output_cv": 0.5, "prefix_hit": 0.3333}
+    assert s.spread(2.0, 0.5) == {"samples": 1, "prompt_cv": None, "output_cv": None, "prefix_hit": 0.5}
+    log_request({"request_id": "late", "prompt_tokens": 1, "completion_tokens": 1})  # detached: not kept
+    assert len(s.samples) == 3
+
+
+def _drive(a, svc, now, rate_s=0.5, n=40):
+    """n finished requests of 512-token prompts and 64 outputs, one every rate_s seconds, through
+    the router's metrics and request log, as the service records them."""
+    from router.metrics import log_request
+
+    for i in range(n):
+        now[0] += rate_s
+        svc.metrics.requests.labels(finish_reason="length").inc()
+        svc.metrics.prompt_tokens.inc(512)
+        svc.metrics.generation_tokens.inc(64)
+        svc.metrics.e2e.observe(2.0)
+        svc.metrics.prefill.observe(0.1)
+        log_request({"request_id": str(i), "prompt_tokens": 512, "completion_tokens": 64, "cached_tokens": 128})
+
+
+def test_autoscaler_runs_the_simulator_floor_in_a_process(tmp_path, caplog):
+    import asyncio
+
+    from types import SimpleNamespace
+
+    cfg = config(floor="simulator", profile=_profile(tmp_path), slow_interval_s=20, floor_timeout_s=15)
+    svc = _Service()
+    # one serving worker reporting its KV pages: the simulated replicas get as many
+    load = SimpleNamespace(running_requests=0, waiting_requests=0, queued_tokens=0, tokens_per_s=0.0,
+                           total_pages=4096, free_pages=4096)
+    svc.dispatcher.views["w"] = SimpleNamespace(pool="colocated", state="serving", load=load)
+    targets = PoolTargets({"colocated": "colocated"}, {"colocated": 1})
+    now = [0.0]
+    a = Autoscaler(cfg, svc, targets, clock=lambda: now[0])
+
+    async def go():
+        a.samples.attach()
+        try:
+            a.step()
+            _drive(a, svc, now, rate_s=0.1, n=200)  # 10 req/s over 20 s
+            with caplog.at_level("INFO", logger="pdcluster.autoscale"):
+                a.step()
+                assert a.floor_task is not None and a.floors == {}  # evaluating; the floors stay meanwhile
+                await a.floor_task
+        finally:
+            a.samples.detach()
+    asyncio.run(go())
+    line = json.loads(caplog.records[-1].getMessage())
+    assert line["event"] == "autoscale_floor" and line["source"] == "simulator", line
+    assert line["window"]["rate"] == pytest.approx(10.0) and line["window"]["prefix_hit"] == 0.25
+    assert line["window"]["prompt_cv"] == 0.0 and line["window"]["samples"] == 200
+    sim = line["simulator"]
+    assert sim["floors"] == line["floors"] == a.floors and sim["meets"] and sim["candidates"][-1]["meets"]
+    # Little's law saw 20 requests in the system, one batch's worth; the simulated steps need more
+    assert a.floors["colocated"] > 1 and a.planner.state["colocated"].floor == a.floors["colocated"]
+    assert 0 < sim["seconds"] <= sim["process_s"] <= sim["wall_s"] and line["littles_law"] == {"colocated": 1}
+    text = __import__("prometheus_client").generate_latest(svc.metrics.registry).decode()
+    assert f'pdcluster_autoscale_floor_replicas{{pool="colocated"}} {a.floors["colocated"]:.1f}' in text
+    assert 'pdcluster_autoscale_floor_evaluations_total{outcome="ok"} 1.0' in text
+
+
+def test_a_failed_evaluation_keeps_littles_law_and_says_why(tmp_path, caplog):
+    import asyncio
+
+    # a profile the simulator cannot use (prefill_table not ascending) passes the config's check
+    path = _profile(tmp_path)
+    data = json.loads(open(path).read())
+    data["latency_model"]["prefill_table"] = [[10, 1.0], [5, 1.0]]
+    open(path, "w").write(json.dumps(data))
+    cfg = config(floor="simulator", profile=path, slow_interval_s=20, floor_timeout_s=15)
+    svc = _Service()
+    now = [0.0]
+    a = Autoscaler(cfg, svc, PoolTargets({"colocated": "colocated"}, {"colocated": 1}), clock=lambda: now[0])
+
+    async def go():
+        a.step()
+        _drive(a, svc, now)
+        with caplog.at_level("INFO", logger="pdcluster.autoscale"):
+            a.step()
+            await a.floor_task
+            now[0] = 60.0  # no request in this window: nothing to simulate, Little's law's min
+            a.step()
+    asyncio.run(go())
+    failed, idle_ = (json.loads(r.getMessage()) for r in caplog.records if "autoscale_floor" in r.getMessage())
+    assert failed["source"] == "littles_law" and failed["floors"] == failed["littles_law"] == {"colocated": 1}
+    assert failed["simulator"]["error"].startswith("error: exit 1: ValueError: prefill_table")
+    assert any(r.levelname == "WARNING" and "Little's law" in r.getMessage() for r in caplog.records)
+    assert idle_["simulator"] == {"skipped": "no request finished in the window"}
+    text = __import__("prometheus_client").generate_latest(svc.metrics.registry).decode()
+    assert 'pdcluster_autoscale_floor_evaluations_total{outcome="error"} 1.0' in text
+
+
+@pytest.mark.parametrize("auto,field_", [
+    ({"floor": "simulator"}, "autoscale.profile is required by autoscale.floor: simulator"),
+    ({"floor": "magic"}, "autoscale.floor\n  Input should be 'littles_law' or 'simulator'"),
+    ({"profile": "/nonexistent/profile.json"}, "autoscale.profile: cannot read '/nonexistent/profile.json' as JSON"),
+    ({"floor": "simulator", "profile": "PROFILE", "floor_timeout_s": 200},
+     "autoscale.floor_timeout_s must be in (floor_budget_s 2, slow_interval_s 120), got 200"),
+    ({"floor_budget_s": 0}, "autoscale.floor_budget_s\n  Input should be greater than or equal to 0.1"),
+])
+def test_floor_config_errors_name_the_field(tmp_path, auto, field_):
+    auto = {k: _profile(tmp_path) if v == "PROFILE" else v for k, v in auto.items()}
+    with pytest.raises(ValidationError) as e:
+        ClusterConfig.model_validate({"model": "tiny", "pools": [{"name": "colocated", "role": "colocated"}],
+                                      "autoscale": auto})
+    assert field_ in str(e.value), str(e.value)
+
+
+def test_floor_profile_is_read_at_load_and_travels_with_the_config(tmp_path):
+    import pickle
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"latency_model": {"prefill": [1, 2]}}))
+    with pytest.raises(ValidationError, match="is not a profile: expected `pdcluster plan profile`'s JSON"):
+        config(floor="simulator", profile=str(bad))
+    path = _profile(tmp_path)
+    cfg = config(floor="simulator", profile=path)
+    (tmp_path / "profile.json").unlink()  # router 0 need not see the file: its content came along
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back.autoscale.profile_json["latency_model"]["decode"] == [0.015, 0.002, 2e-7]
+
+
+def test_the_planner_side_imports_neither_planning_nor_torch():
+    """The router's process hosts the planner: the simulator floor runs in a process of its own."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cluster.autoscale; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('planning', 'torch', 'loadgen')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_stopping_the_planner_ends_an_evaluation_in_flight(tmp_path, caplog):
+    import asyncio
+    import time
+
+    cfg = config(floor="simulator", profile=_profile(tmp_path), slow_interval_s=20, floor_timeout_s=15)
+    svc = _Service()
+    now = [0.0]
+    a = Autoscaler(cfg, svc, PoolTargets({"colocated": "colocated"}, {"colocated": 1}), clock=lambda: now[0])
+
+    async def go():
+        a.step()
+        _drive(a, svc, now)
+        with caplog.at_level("INFO", logger="pdcluster.autoscale"):
+            a.step()
+            task = a.floor_task
+            await asyncio.sleep(0.2)  # its process is starting
+            t0 = time.monotonic()
+            await a.stop()
+            return task, time.monotonic() - t0
+    task, took = asyncio.run(go())
+    assert task.cancelled() and a.floor_task is None and took < 5.0
+    assert not [r for r in caplog.records if "autoscale_floor" in r.getMessage()]  # no floors from it
