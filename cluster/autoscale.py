@@ -20,7 +20,9 @@ Two loops:
   queue pressure is high (after `up_cooldown_s`, within max_replicas and `budget_cpus`); one down
   when the estimates scaled to one replica fewer stay under `down_fraction` of the SLO, after
   `down_cooldown_s`, not below min_replicas nor the slow loop's floor. At zero traffic (no request
-  in the window, nothing running or waiting) pools go to min_replicas.
+  in the window, nothing running or waiting) pools go to min_replicas. A pool that needs a
+  replica takes one from a pool that can spare it, where their workers are built alike: a move
+  (a running worker's role switch, cluster.scaler) instead of a new process.
 - the slow loop (`slow_interval_s`): over its window, the arrival rate lambda (finished requests
   per second), mean prompt and output tokens and mean time in the system W. With `floor:
   littles_law` (the default), Little's law gives the requests in the system L = lambda * W, and a
@@ -53,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from cluster.autoscale_floor import FloorFailed, floor_request, run_floor
 from cluster.autoscale_window import RequestSamples, Window
 from cluster.config import AutoscaleSettings, ClusterConfig, PoolConfig
+from cluster.scaler import move_refusals
 
 log = logging.getLogger("pdcluster.autoscale")
 
@@ -75,7 +78,8 @@ class PoolSignal:
 @dataclass(slots=True)
 class Decision:
     pool: str
-    direction: str                   # up, down, hold (an up wanted but not made)
+    direction: str                   # up, down, move (a worker of inputs["from"] moves here), hold (an up
+                                     # wanted but not made)
     reason: str                      # min, floor, max, ttft_slo, itl_slo, kv_pressure, queue, idle, under_slo;
                                      # hold: at_max, budget, cooldown
     target: int
@@ -105,6 +109,8 @@ class Planner:
         self.wanted: dict[str, int] = {}  # pool -> replicas wanted after the last tick (the desired metric)
         self.pools = {p.name: p for p in pools}
         self.state = {name: _PoolState(floor=ap.min_replicas) for name, ap in settings.pools.items()}
+        # (from, to) pairs of pools that cannot trade workers (cluster.scaler.move_refusal)
+        self.refusals = set(move_refusals(pools))
 
     # ---- the slow loop -------------------------------------------------------------------------
     def littles_law_floors(self, stats: dict) -> dict[str, int]:
@@ -140,14 +146,20 @@ class Planner:
 
     # ---- the fast loop -------------------------------------------------------------------------
     def tick(self, signals: dict[str, PoolSignal], now: float) -> list[Decision]:
+        """One fast-loop step. A pool that needs a replica more takes one from a pool that can
+        spare one (its estimates at one replica fewer stay under `down_fraction` of the SLO, or
+        it is idle; its last change at least `up_cooldown_s` ago) and whose workers are built
+        alike (cluster.scaler.move_refusal): a move, which switches a running worker's role in
+        a second instead of starting a process; else it scales out, within max and budget."""
         s, out = self.s, []
         used = sum(replica_cpus(p) * ((signals[n].target if n in signals else p.replicas) + p.spare_replicas)
                    for n, p in self.pools.items())
-        for name, ap in s.pools.items():
+        looks = {}
+        for name in s.pools:
             sig = signals.get(name)
             if sig is None:
                 continue
-            st, pool = self.state[name], self.pools[name]
+            st = self.state[name]
             t = sig.target
             if st.last_target != t:  # a change (not ours: a Scale call, or the start): cooldowns count from now
                 st.last_change, st.last_target = now, t
@@ -157,63 +169,53 @@ class Planner:
                 continue
             if st.settling:  # it got there: the cooldowns count from the new size serving
                 st.settling, st.last_change = False, now
-            lo, hi = max(ap.min_replicas, st.floor), ap.max_replicas
-            ttft = sig.ttft_s if pool.role != "decode" else None
-            itl = None
-            if pool.role != "prefill":
-                cands = [x for x in (sig.itl_s, sig.step_itl_s) if x is not None]
-                itl = max(cands) if cands else None
-            waiting_per = sig.waiting / max(sig.current, 1)
-            inputs = {"target": t, "current": sig.current, "min": ap.min_replicas, "max": hi, "floor": st.floor,
-                      "ttft_s": _r(ttft), "itl_s": _r(itl), "router_itl_s": _r(sig.itl_s),
-                      "step_itl_s": _r(sig.step_itl_s), "slo_ttft_s": s.slo.ttft_s, "slo_itl_s": s.slo.itl_s,
-                      "percentile": s.slo.percentile, "requests": sig.requests, "running": sig.running,
-                      "waiting": sig.waiting, "queued_tokens": sig.queued_tokens, "kv_used": round(sig.kv_used, 3),
-                      "cpus_used": used, "budget_cpus": s.budget_cpus}
-            since = now - st.last_change
-            up = ""
-            if t < ap.min_replicas:
-                up = "min"
-            elif t < st.floor:
-                up = "floor"
-            elif ttft is not None and ttft > s.slo.ttft_s:
-                up = "ttft_slo"
-            elif itl is not None and itl > s.slo.itl_s:
-                up = "itl_slo"
-            elif sig.kv_used >= s.kv_high:
-                up = "kv_pressure"
-            elif waiting_per >= s.queue_high:
-                up = "queue"
+            looks[name] = self._look(name, sig, now)
+        donors = [n for n, lk in looks.items() if not lk["up"] and lk["spare"] and lk["since"] >= s.up_cooldown_s]
+        given: set[str] = set()
+        for name in sorted(looks, key=lambda n: not looks[n]["up"]):  # the pools that want more first
+            if name in given:
+                continue
+            lk, st, pool = looks[name], self.state[name], self.pools[name]
+            t, hi, up, since = lk["t"], lk["hi"], lk["up"], lk["since"]
+            inputs = {**lk["inputs"], "cpus_used": used, "budget_cpus": s.budget_cpus}
             d = None
             if up:
                 cost = replica_cpus(pool)
                 if t >= hi:
                     blocked = "at_max"
-                elif s.budget_cpus is not None and used + cost > s.budget_cpus + 1e-9:
-                    blocked = "budget"
                 elif up not in ("min", "floor") and since < s.up_cooldown_s:
                     blocked = "cooldown"
+                elif s.budget_cpus is not None and used + cost > s.budget_cpus + 1e-9:
+                    blocked = "budget"
                 else:
                     blocked = ""
-                if blocked in ("", "cooldown"):
-                    self.wanted[name] = t + 1
-                if blocked:
-                    if st.blocked != blocked:
-                        st.blocked = blocked
-                        out.append(Decision(name, "hold", blocked, t, t, {**inputs, "wanted": up}))
-                    continue
-                used += cost
-                d = Decision(name, "up", up, t, t + 1, inputs)
+                donor = next((y for y in donors if y != name and y not in given
+                              and (y, name) not in self.refusals), None) if blocked in ("", "budget") else None
+                if donor is not None:  # a move: no new process, no CPUs more
+                    given.add(donor)
+                    dt = looks[donor]["t"]
+                    d = Decision(name, "move", up, t, t + 1, {**inputs, "from": donor, "from_target": dt,
+                                                                "from_inputs": looks[donor]["inputs"]})
+                    self.wanted[donor] = dt - 1
+                    self.state[donor].last_change = now
+                    self.state[donor].blocked = ""
+                    if self.applies:
+                        self.state[donor].last_target = dt - 1
+                else:
+                    if blocked in ("", "cooldown"):
+                        self.wanted[name] = t + 1
+                    if blocked:
+                        if st.blocked != blocked:
+                            st.blocked = blocked
+                            out.append(Decision(name, "hold", blocked, t, t, {**inputs, "wanted": up}))
+                        continue
+                    used += cost
+                    d = Decision(name, "up", up, t, t + 1, inputs)
             elif t > hi:
                 d = Decision(name, "down", "max", t, t - 1, inputs)
-            elif t > lo and since >= s.down_cooldown_s:
-                f = t / (t - 1)
-                idle = sig.requests == 0 and sig.running == 0 and sig.waiting == 0
-                under = (sig.waiting == 0 and (ttft or 0.0) * f < s.down_fraction * s.slo.ttft_s
-                         and (itl or 0.0) * f < s.down_fraction * s.slo.itl_s and sig.kv_used * f < s.kv_high)
-                if idle or under:
-                    used -= replica_cpus(pool)
-                    d = Decision(name, "down", "idle" if idle else "under_slo", t, t - 1, inputs)
+            elif lk["spare"] and since >= s.down_cooldown_s:
+                used -= replica_cpus(pool)
+                d = Decision(name, "down", "idle" if lk["idle"] else "under_slo", t, t - 1, inputs)
             st.blocked = ""
             if d is not None:
                 out.append(d)
@@ -222,6 +224,46 @@ class Planner:
                 if self.applies:
                     st.last_target = d.desired
         return out
+
+    def _look(self, name: str, sig: PoolSignal, now: float) -> dict:
+        """A pool's estimates against the SLO: why it needs a replica more ("" if not), whether it
+        could spare one (idle, or its estimates scaled to one replica fewer under down_fraction
+        of the SLO, above its min and floor), and the inputs its decision line shows."""
+        s, ap, st, pool = self.s, self.s.pools[name], self.state[name], self.pools[name]
+        t = sig.target
+        lo, hi = max(ap.min_replicas, st.floor), ap.max_replicas
+        ttft = sig.ttft_s if pool.role != "decode" else None
+        itl = None
+        if pool.role != "prefill":
+            cands = [x for x in (sig.itl_s, sig.step_itl_s) if x is not None]
+            itl = max(cands) if cands else None
+        waiting_per = sig.waiting / max(sig.current, 1)
+        inputs = {"target": t, "current": sig.current, "min": ap.min_replicas, "max": hi, "floor": st.floor,
+                  "ttft_s": _r(ttft), "itl_s": _r(itl), "router_itl_s": _r(sig.itl_s),
+                  "step_itl_s": _r(sig.step_itl_s), "slo_ttft_s": s.slo.ttft_s, "slo_itl_s": s.slo.itl_s,
+                  "percentile": s.slo.percentile, "requests": sig.requests, "running": sig.running,
+                  "waiting": sig.waiting, "queued_tokens": sig.queued_tokens, "kv_used": round(sig.kv_used, 3)}
+        up = ""
+        if t < ap.min_replicas:
+            up = "min"
+        elif t < st.floor:
+            up = "floor"
+        elif ttft is not None and ttft > s.slo.ttft_s:
+            up = "ttft_slo"
+        elif itl is not None and itl > s.slo.itl_s:
+            up = "itl_slo"
+        elif sig.kv_used >= s.kv_high:
+            up = "kv_pressure"
+        elif waiting_per >= s.queue_high:
+            up = "queue"
+        idle = spare = False
+        if not up and lo < t <= hi:
+            f = t / (t - 1)
+            idle = sig.requests == 0 and sig.running == 0 and sig.waiting == 0
+            spare = idle or (sig.waiting == 0 and (ttft or 0.0) * f < s.down_fraction * s.slo.ttft_s
+                             and (itl or 0.0) * f < s.down_fraction * s.slo.itl_s and sig.kv_used * f < s.kv_high)
+        return {"t": t, "lo": lo, "hi": hi, "up": up, "since": now - st.last_change, "idle": idle, "spare": spare,
+                "inputs": inputs}
 
 
 def _r(x: float | None) -> float | None:
@@ -315,15 +357,28 @@ class Autoscaler:
         decisions = self.planner.tick(self.signals(now), now)
         for name, n in self.planner.wanted.items():
             self.desired.labels(pool=name).set(n)
+        self.apply(decisions)
+        return decisions
+
+    def apply(self, decisions: list[Decision]) -> None:
+        """Log and count each decision; in mode on, set it as the pools' targets (a move as the
+        Scale RPC's move: router.service.PoolTargets.move)."""
         for d in decisions:
             applied = False
+            extra = {}
             if d.direction in ("up", "down"):
                 if self.s.mode == "on":
                     self.targets.set(d.pool, d.desired)
                     applied = True
+            elif d.direction == "move" and self.s.mode == "on":
+                why = self.targets.check_move(d.inputs["from"], d.pool, 1)
+                if why is None:
+                    self.targets.move(d.inputs["from"], d.pool, 1)
+                    applied = True
+                else:  # e.g. a Scale call changed the targets meanwhile
+                    extra["refused"] = why
             self.decisions_total.labels(pool=d.pool, direction=d.direction, reason=d.reason).inc()
-            self._emit({"event": "autoscale", "mode": self.s.mode, **asdict(d), "applied": applied})
-        return decisions
+            self._emit({"event": "autoscale", "mode": self.s.mode, **asdict(d), "applied": applied, **extra})
 
     # ---- the slow loop -------------------------------------------------------------------------
     def slow_step(self, now: float) -> None:

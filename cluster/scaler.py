@@ -47,13 +47,13 @@ class WorkerRecord:
     moving_to: str = ""        # the pool a move takes it to, while it drains, switches and warms up
 
 
-def move_refusal(config: ClusterConfig, frm: str, to: str) -> str | None:
+def move_refusal(config: ClusterConfig | list[PoolConfig], frm: str, to: str) -> str | None:
     """Why workers of pool `frm` cannot move to pool `to`, or None. A moved worker keeps its
     process, its engine and its placement, so the two pools must build engines alike (the
     ENGINE_SHAPE settings) on the same resources; a tensor-parallel worker's follower ranks
     built their connectors at start-up and cannot switch. The step's limits and the decode
     policies are the destination's."""
-    pools = {p.name: p for p in config.pools}
+    pools = {p.name: p for p in getattr(config, "pools", config)}
     a, b = pools.get(frm), pools.get(to)
     if a is None or b is None or frm == to:
         return f"both must be distinct pools of {sorted(pools)}"
@@ -66,9 +66,10 @@ def move_refusal(config: ClusterConfig, frm: str, to: str) -> str | None:
     return "; ".join(differ) if differ else None
 
 
-def move_refusals(config: ClusterConfig) -> dict[tuple[str, str], str]:
-    """(from, to) -> why not, for every pair of the config's pools that cannot trade workers."""
-    names = [p.name for p in config.pools]
+def move_refusals(config: ClusterConfig | list[PoolConfig]) -> dict[tuple[str, str], str]:
+    """(from, to) -> why not, for every pair of the config's pools (or of `config`, a list of
+    pools) that cannot trade workers."""
+    names = [p.name for p in getattr(config, "pools", config)]
     out = {}
     for frm in names:
         for to in names:

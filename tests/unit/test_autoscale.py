@@ -448,3 +448,58 @@ def test_stopping_the_planner_ends_an_evaluation_in_flight(tmp_path, caplog):
     task, took = asyncio.run(go())
     assert task.cancelled() and a.floor_task is None and took < 5.0
     assert not [r for r in caplog.records if "autoscale_floor" in r.getMessage()]  # no floors from it
+
+
+PD = [{"name": "prefill", "role": "prefill", "replicas": 1}, {"name": "decode", "role": "decode", "replicas": 2}]
+
+
+def test_a_pool_that_needs_a_replica_takes_one_from_a_pool_that_can_spare_it():
+    """The decode pool is well under its SLO with one worker fewer; the prefill pool misses
+    TTFT: one decode worker moves (no process started, no CPU more), not an up and a down."""
+    p = planner(config(PD))
+    calm = {"prefill": busy(), "decode": busy(target=2, itl_s=0.01, ttft_s=None, kv_used=0.1)}
+    p.tick(calm, 0.0)
+    ds = p.tick({**calm, "prefill": busy(ttft_s=5.0)}, 10.0)
+    assert [(d.pool, d.direction, d.reason, d.target, d.desired) for d in ds] == [("prefill", "move", "ttft_slo", 1, 2)]
+    assert ds[0].inputs["from"] == "decode" and ds[0].inputs["from_target"] == 2
+    assert p.wanted == {"prefill": 2, "decode": 1}
+    # both pools settle; the donor's cooldown counts from the move: it gives nothing back at once
+    assert p.tick({"prefill": busy(target=2, current=1), "decode": busy(target=1, current=2)}, 11.0) == []
+
+
+def test_no_move_from_a_busy_pool_nor_between_pools_built_differently():
+    p = planner(config(PD))
+    hot = {"prefill": busy(), "decode": busy(target=2, itl_s=0.08)}  # decode near its ITL SLO: nothing to spare
+    p.tick(hot, 0.0)
+    ds = p.tick({**hot, "prefill": busy(ttft_s=5.0)}, 10.0)
+    assert [(d.pool, d.direction) for d in ds] == [("prefill", "up")]
+    other = [PD[0], {**PD[1], "engine": {"page_size": 32}}]
+    p = planner(config(other))
+    calm = {"prefill": busy(), "decode": busy(target=2, itl_s=0.01, kv_used=0.1)}
+    p.tick(calm, 0.0)
+    ds = p.tick({**calm, "prefill": busy(ttft_s=5.0)}, 10.0)
+    assert [(d.pool, d.direction) for d in ds] == [("prefill", "up")]
+
+
+def test_a_move_gets_past_the_budget_that_holds_a_scale_out():
+    p = planner(config(PD, budget_cpus=3))  # 3 workers of 1 CPU: no room for a fourth
+    calm = {"prefill": busy(), "decode": busy(target=2, itl_s=0.01, kv_used=0.1)}
+    p.tick(calm, 0.0)
+    (d,) = p.tick({**calm, "prefill": busy(ttft_s=5.0)}, 10.0)
+    assert (d.pool, d.direction, d.inputs["from"]) == ("prefill", "move", "decode")
+
+
+@pytest.mark.parametrize("mode", ["advisory", "on"])
+def test_the_autoscaler_applies_a_move_in_mode_on_and_only_logs_it_in_advisory(mode):
+    from cluster.autoscale import Decision
+
+    targets = PoolTargets({"prefill": "prefill", "decode": "decode"}, {"prefill": 1, "decode": 2})
+    a = Autoscaler(config(PD, mode=mode), _Service(), targets)
+    a.apply([Decision("prefill", "move", "ttft_slo", 1, 2, {"from": "decode"})])
+    line = json.loads(a.since(0)[-1][1])
+    assert line["direction"] == "move" and line["applied"] == (mode == "on"), line
+    assert (targets.target("prefill"), targets.target("decode")) == ((2, 1) if mode == "on" else (1, 2))
+    # a move the targets no longer allow (the donor at one worker) is logged as refused
+    a.apply([Decision("prefill", "move", "ttft_slo", 2, 3, {"from": "decode"})])
+    line = json.loads(a.since(0)[-1][1])
+    assert not line["applied"] and ("refused" in line) == (mode == "on"), line
