@@ -26,8 +26,10 @@ def test_served_profile_times_decode_through_the_cluster(served_profile):
     # served decode points: one per (batch, context), each a median of real chunk gaps
     assert [b for b, _, _ in doc["points"]["served_decode"]] == [1, 2, 4]
     assert all(0 < s < 1.0 for _, _, s in doc["points"]["served_decode"])
-    # a served first token pays router, Ray and gRPC time on top of the engine's prefill step
-    assert 0 < lm.meta["first_token_delay_s"] < 1.0
+    # a served first token pays router, Ray and gRPC time on top of the engine's prefill step; it is
+    # the difference of two medians measured minutes apart (the engine's, then the served one), so
+    # on a loaded machine it can come out at or below 0, which the profile clips to 0
+    assert 0 <= lm.meta["first_token_delay_s"] < 1.0
     assert lm.decode_time(1, 64) > 0
     # the load run: eight synthetic requests at 2 req/s, fitted against their simulation; what it
     # found is in the model the simulator reads
