@@ -2,13 +2,17 @@
 advisory mode, a colocated pool serving a steady trickle of streams; after the slow window,
 router 0's planner runs `python -m planning.floor` and logs an `autoscale_floor` line whose
 floors come from the simulator, with the window's request-log figures (samples, length spread,
-prefix hits); the floor metric is exported; the router's process never loaded planning."""
+prefix hits); the floor metric is exported; the router's process never loaded planning.
+
+Slow (about 50 s): the default run covers the same evaluation through a real subprocess and a
+real Autoscaler in process (tests/unit/test_autoscale.py), and the planner's imports."""
 from __future__ import annotations
 
 import json
 import time
 
 import grpc
+import pytest
 
 from planning.latency import LatencyModel
 from proto.pdcluster.v1 import inference_pb2_grpc as pb_grpc
@@ -17,6 +21,7 @@ from tests.cluster.test_cluster_scale import open_streams
 from tests.helpers import random_prompts, wait_until
 
 
+@pytest.mark.slow
 def test_the_slow_loop_runs_the_simulator_floor_in_router_0(tmp_path):
     import ray
 
