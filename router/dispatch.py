@@ -72,6 +72,7 @@ from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
 from router.handles import WorkerHandle, WorkerUnresponsive
+from router.kv_index import KVIndex, KVIndexSync
 from router.policy import PlacementPolicy, WorkerView
 
 WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
@@ -138,7 +139,9 @@ class _DecodeLost(Exception):
 class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
-                 migration_wait_s: float = 60.0, spares: Sequence[str] = ()) -> None:
+                 migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None) -> None:
+        """`kv_index`: the cluster's KV index, fed from every worker's KV events at each load
+        refresh (router/kv_index.py); None: no events are pulled."""
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -174,6 +177,8 @@ class Dispatcher:
         self._warming: dict[str, asyncio.Task] = {}     # restarted workers being warmed up
         self._silent_since: dict[str, float] = {}       # unresponsive workers: since when they answer nothing
         self._retiring: set[str] = set()                # workers being drained for removal (scale-in)
+        self.kv_index = kv_index
+        self._kv_sync = KVIndexSync(kv_index) if kv_index is not None else None
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
@@ -194,9 +199,10 @@ class Dispatcher:
                 call.add_done_callback(lambda c, wid=wid: self._answer(wid, c))
             if view.state not in _WATCHED:  # out of placement: nothing to judge, nothing to wait for
                 return
+            calls = (call,) if self._kv_sync is None else (call, self._kv_sync.pull(wid, handle))
             # judged the moment its worker_timeout_s runs out, whatever timeout_s is
             wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
-            await asyncio.wait((call,), timeout=wait)
+            await asyncio.wait(calls, timeout=wait)
             if wid not in self.views:
                 return
             silent = time.monotonic() - self._heard(wid)
@@ -254,6 +260,9 @@ class Dispatcher:
     def _out(self, view: WorkerView, state: str, error: str) -> None:
         was = view.state
         view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
+        if self.kv_index is not None and view.worker_id in self.kv_index.workers:
+            # a lost worker's cache went with its process; an unresponsive one's may have moved on
+            (self.kv_index.degrade if state == "unresponsive" else self.kv_index.drop)(view.worker_id, error)
         if state == "dead":  # streams waiting for this worker's return give up
             self._wake()
         if was == "serving":
@@ -524,7 +533,7 @@ class Dispatcher:
                 if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
                     dview.inflight_tokens += len(prompt)
                     live.local_tokens = (dview, len(prompt))
-                    dview.remember(req.block_hashes, _capacity(dview))
+                    self.policy.remember(dview, req.block_hashes, _capacity(dview))
                 if not stats.prefill_start:
                     stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
@@ -561,7 +570,7 @@ class Dispatcher:
                 pview.inflight -= 1
                 pview.inflight_tokens -= len(prompt)
             if result.ok:
-                pview.remember(req.block_hashes, _capacity(pview))
+                self.policy.remember(pview, req.block_hashes, _capacity(pview))
                 if not stats.first_token:
                     stats.first_token = time.monotonic()
                     stats.cached_prompt_tokens = result.num_cached_tokens
@@ -721,6 +730,8 @@ class Dispatcher:
         if warming is not None:
             warming.cancel()
         handle.on_lost = None
+        if self._kv_sync is not None:
+            self._kv_sync.forget(wid)
         await handle.close()
         self._wake()
 
@@ -760,6 +771,8 @@ class Dispatcher:
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
+        if self._kv_sync is not None:
+            await self._kv_sync.close()
         await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
 
 
