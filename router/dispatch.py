@@ -66,16 +66,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.types import Admission, DecodeStage
+from decode_worker.types import DecodeStage
 from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
 from router.handles import WorkerHandle, WorkerUnresponsive
 from router.kv_index import KVIndex, KVIndexSync
+from router.pair_calls import WARM_UP_PROMPT, admitted as _admitted, cancel_pair, first_line as _first_line, warm_pair
 from router.policy import PlacementPolicy, WorkerView
 
-WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
 _WATCHED = ("starting", "serving", "spare")  # the states that silence for worker_timeout_s ends
 
 log = logging.getLogger(__name__)
@@ -622,21 +622,7 @@ class Dispatcher:
                                    f"{type(exc).__name__}: {exc}") from exc
         return len(pairs)
 
-    @staticmethod
-    async def _warm_pair(prefill: WorkerHandle, decode: WorkerHandle, rid: str, prompt: list[int],
-                         params: SamplingParams) -> None:
-        adm = await decode.admit(rid, prompt, params)
-        if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
-            adm = await _admitted(decode, rid)
-        if adm.stage != DecodeStage.LOCAL_PREFILL:
-            result = await prefill.submit(PrefillTask(rid, list(prompt), params, list(adm.descriptors)))
-            if not result.ok:
-                raise RuntimeError(result.error or "prefill failed")
-        async for out in decode.stream(rid):
-            if out.finished:
-                if out.finish_reason in ("error", "abort"):
-                    raise RuntimeError(f"decode ended with {out.finish_reason}: {out.error or 'no detail'}")
-                return
+    _warm_pair = staticmethod(warm_pair)
 
     # ---- resizing pools at run time (cluster.runtime's scaler drives these) -------------------
     async def add_worker(self, handle: WorkerHandle, timeout_s: float = 120.0) -> float:
@@ -743,24 +729,7 @@ class Dispatcher:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    @staticmethod
-    async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> bool:
-        """Cancel `rid` on both workers at once (a prefill worker deep in a long step must not
-        hold the decode worker's pages: the decode side never frees a page a write is still
-        landing in); whether the decode worker answered (False: it is gone)."""
-        async def one(handle: WorkerHandle) -> bool:
-            try:
-                await asyncio.wait_for(handle.cancel(rid), 10)
-                return True
-            except Exception as exc:
-                log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, _first_line(exc))
-                return False
-
-        if not rid:
-            return True
-        handles = [h for h in (prefill, decode) if h is not None]
-        results = await asyncio.gather(*(one(h) for h in handles))
-        return all(ok for h, ok in zip(handles, results) if h is decode)
+    _abort = staticmethod(cancel_pair)
 
     async def drain_cleanup(self) -> None:
         """Finish pending cancels, drop pending load calls and stop reading the workers' output
@@ -791,21 +760,6 @@ def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
         raise RequestError("a worker returned no logprobs for a request that asked for them",
                            grpc.StatusCode.INTERNAL)
     return lps
-
-
-async def _admitted(decode: WorkerHandle, rid: str) -> Admission:
-    """The admission with pages of a request that was QUEUED_FOR_PAGES."""
-    out = await decode.next_output(rid)
-    if not isinstance(out, Admission):
-        raise RequestError(f"request ended on decode worker {decode.worker_id} while queued for pages: "
-                           f"{out.finish_reason}: {out.error or 'no detail'}", grpc.StatusCode.UNAVAILABLE)
-    return out
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's first line: a Ray error carries a whole remote traceback."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _capacity(view: WorkerView) -> int:
