@@ -104,16 +104,15 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         info, by_hash = self._page_info, self._by_hash
-        stored = [] if self.events is not None else None
+        if self.events is not None:  # what the loop below will register (chained hashes never repeat)
+            stored = [hashes[i] for i in range(first, end) if info[pages[i]] is None and hashes[i] not in by_hash]
+            if stored:
+                self.events.stored(stored)
         for i in range(first, end):
             page, block_hash = pages[i], hashes[i]
             if info[page] is None and block_hash not in by_hash:
                 info[page] = (block_hash, tuple(token_ids[i * page_size:(i + 1) * page_size]))
                 by_hash[block_hash] = page
-                if stored is not None:
-                    stored.append(block_hash)
-        if stored:
-            self.events.stored(stored)
 
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
         """The page holding exactly these tokens under this chained hash, or None."""
