@@ -35,6 +35,7 @@ from pathlib import Path
 from decode_worker.types import (Admission, DecodeConfig, DecodeOutput, DecodeStage, TokenSource,
                                  TransferFailurePolicy)
 from engine.core import EngineCore, resolve_model
+from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
 from engine.outputs import RequestOutput, Resume
 from engine.request import Request
@@ -44,7 +45,7 @@ from kv_transfer.tp_connector import make_connector
 
 
 class DecodeWorker:
-    CALLS = ("admit", "cancel")  # what a remote caller may run (engine/async_worker.py)
+    CALLS = ("admit", "cancel", "kv_events")  # what a remote caller may run (engine/async_worker.py)
 
     def __init__(self, model: str | Path, *, transport: str | None = "nixl",
                  transfer_config: TransferConfig | None = None, config: DecodeConfig | None = None,
@@ -200,6 +201,10 @@ class DecodeWorker:
         return dataclasses.replace(load, waiting_requests=load.waiting_requests + len(self._queued),
                                    queued_for_pages=len(self._queued), num_local_prefills=self.num_local_prefills,
                                    num_reprefills=self.num_reprefills)
+
+    def kv_events(self, epoch: str, since: int) -> KVEventBatch:
+        """The prefix cache's events after `since` of `epoch`, or a snapshot (EngineCore.kv_events)."""
+        return self.core.kv_events(epoch, since)
 
     def close(self) -> None:
         for req in list(self._queued):

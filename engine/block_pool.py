@@ -12,6 +12,8 @@
 - Pages never handed out are counted, not listed: the first allocation of page p extends the
   per-page lists to p, so a pool's cost follows the pages it has used, not its size (the
   simulator's pools with unbounded memory have a billion pages).
+- `events`, when set (engine/kv_events.py KVEventLog), hears every block hash that enters or
+  leaves the prefix cache (stored, evicted, cleared); unset, it costs one `is None` test.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._page_info: list[tuple[int, tuple[int, ...]] | None] = []  # (block hash, tokens) per page used
         self._by_hash: dict[int, int] = {}
+        self.events = None  # a KVEventLog told of every change to _by_hash, or None (nobody listens)
         self.queries = 0  # pages looked up in the prefix cache
         self.hits = 0
 
@@ -91,6 +94,8 @@ class BlockPool:
             return
         self._page_info[page] = (block_hash, tuple(token_ids))
         self._by_hash[block_hash] = page
+        if self.events is not None:
+            self.events.stored((block_hash,))
 
     def cache_pages(self, pages: Sequence[int], hashes: Sequence[int], token_ids: Sequence[int], first: int,
                     end: int, page_size: int) -> None:
@@ -99,6 +104,10 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         info, by_hash = self._page_info, self._by_hash
+        if self.events is not None:  # what the loop below will register (chained hashes never repeat)
+            stored = [hashes[i] for i in range(first, end) if info[pages[i]] is None and hashes[i] not in by_hash]
+            if stored:
+                self.events.stored(stored)
         for i in range(first, end):
             page, block_hash = pages[i], hashes[i]
             if info[page] is None and block_hash not in by_hash:
@@ -123,6 +132,12 @@ class BlockPool:
         self._by_hash.clear()
         self._free_plain.extend(self._free_cached)
         self._free_cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now."""
+        return list(self._by_hash)
 
     def _evict(self, page: int) -> None:
         info = self._page_info[page]
@@ -130,3 +145,5 @@ class BlockPool:
             self._page_info[page] = None
             if self._by_hash.get(info[0]) == page:
                 del self._by_hash[info[0]]
+                if self.events is not None:
+                    self.events.evicted(info[0])

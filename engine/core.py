@@ -39,6 +39,7 @@ from engine.checkpoint import builtin_name, find_model
 from engine.config import ModelConfig, dtype_name
 from engine.kv_cache_manager import KVCacheManager, pages_for
 from engine.kv_connector import KVConnector, KVEventKind
+from engine.kv_events import KVEventBatch, KVEventLog
 from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput, Resume
@@ -165,6 +166,7 @@ class EngineCore:
         self._ended: list[Request] = []  # ended outside a step (aborted): their output is due
         self._generated: deque[tuple[float, int]] = deque()  # (step time, tokens generated)
         self._ids = itertools.count()
+        self._cache_events: KVEventLog | None = None  # made by the first kv_events call
 
     def _start_tensor_parallel(self, world: int, timeout_s: float, vocab_parallel: bool, host: str,
                                launcher: Callable | None, transport: str, runner_kw: dict) -> ModelRunner:
@@ -498,6 +500,22 @@ class EngineCore:
             num_preemptions=sched.num_preemptions,
             waiting_for_kv=len(sched.waiting_kv) + len(sched.ready),
         )
+
+    def kv_events(self, epoch: str, since: int) -> KVEventBatch:
+        """What the prefix cache gained and lost after `since` of `epoch` (engine/kv_events.py),
+        or a snapshot of every block hash it holds: the first call (the log starts then, so an
+        engine nobody asks pays nothing), another epoch (this engine is new), events dropped."""
+        if self._cache_events is None:
+            pool = self.kv.pool
+            self._cache_events = pool.events = KVEventLog(self.page_size, pool.cached_hashes)
+        return self._cache_events.since(epoch, since)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (pages in use keep their KV; none is found by hash any more).
+        Returns how many block hashes were dropped."""
+        n = self.kv.pool.num_cached_pages
+        self.kv.pool.reset_prefix_cache()
+        return n
 
     @property
     def num_free_pages(self) -> int:

@@ -20,6 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from engine.core import EngineCore, resolve_model
+from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
 from engine.outputs import RequestOutput
 from kv_transfer.config import TransferConfig
@@ -29,7 +30,7 @@ from prefill_worker.types import PrefillResult, PrefillTask
 
 
 class PrefillWorker:
-    CALLS = ("submit", "cancel")  # what a remote caller may run (engine/async_worker.py)
+    CALLS = ("submit", "cancel", "kv_events")  # what a remote caller may run (engine/async_worker.py)
 
     def __init__(self, model: str | Path, *, transport: str = "nixl", transfer_config: TransferConfig | None = None,
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
@@ -118,6 +119,10 @@ class PrefillWorker:
 
     def load(self) -> WorkerLoad:
         return self.core.load()
+
+    def kv_events(self, epoch: str, since: int) -> KVEventBatch:
+        """The prefix cache's events after `since` of `epoch`, or a snapshot (EngineCore.kv_events)."""
+        return self.core.kv_events(epoch, since)
 
     def close(self) -> None:
         self.core.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 from router.dispatch import Dispatcher
 from router.frontend import Frontend, FrontendLimits
 from router.handles import WorkerHandle
+from router.kv_index import KVIndex
 from router.http_server import HttpLimits
 from router.policy import make_policy
 from router.security import Access, Tls
@@ -29,9 +30,11 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
 
     frontend = Frontend.from_model(model, hash_page_size=hash_page_size, max_model_len=max_model_len, limits=limits)
     cfg = ModelConfig.from_pretrained(frontend.model_dir)
-    dispatcher = Dispatcher(prefills, decodes, make_policy(policy, hash_page_size),
+    kv_index = KVIndex(hash_page_size)  # fed by the dispatcher's refresh; placement reads it (prefix-aware)
+    dispatcher = Dispatcher(prefills, decodes, make_policy(policy, hash_page_size, kv_index),
                             max_prefill_attempts=max_prefill_attempts, migration_limit=migration_limit,
-                            migration_wait_s=migration_wait_s, worker_timeout_s=worker_timeout_s, spares=spares)
+                            migration_wait_s=migration_wait_s, worker_timeout_s=worker_timeout_s, spares=spares,
+                            kv_index=kv_index)
     eos = list(cfg.eos_token_ids) or ([frontend.tokenizer.eos_token_id] if frontend.tokenizer.eos_token_id is not None else [])
     service = InferenceService(frontend, dispatcher, model_id=frontend.model_dir.name, architecture=cfg.architecture,
                                eos_token_ids=eos, max_inflight=max_inflight, max_queue=max_queue)

@@ -66,15 +66,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_worker.types import Admission, DecodeStage
+from decode_worker.types import DecodeStage
 from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
 from router.handles import WorkerHandle, WorkerUnresponsive
+from router.kv_index import KVIndex, KVIndexSync
+from router.pair_calls import WARM_UP_PROMPT, admitted as _admitted, cancel_pair, first_line as _first_line, warm_pair
 from router.policy import PlacementPolicy, WorkerView
 
-WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than a page: it leaves nothing in any prefix cache
 _WATCHED = ("starting", "serving", "spare")  # the states that silence for worker_timeout_s ends
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,9 @@ class _DecodeLost(Exception):
 class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
-                 migration_wait_s: float = 60.0, spares: Sequence[str] = ()) -> None:
+                 migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None) -> None:
+        """`kv_index`: the cluster's KV index, fed from every worker's KV events at each load
+        refresh (router/kv_index.py); None: no events are pulled."""
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -174,6 +177,8 @@ class Dispatcher:
         self._warming: dict[str, asyncio.Task] = {}     # restarted workers being warmed up
         self._silent_since: dict[str, float] = {}       # unresponsive workers: since when they answer nothing
         self._retiring: set[str] = set()                # workers being drained for removal (scale-in)
+        self.kv_index = kv_index
+        self._kv_sync = KVIndexSync(kv_index) if kv_index is not None else None
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
@@ -194,9 +199,10 @@ class Dispatcher:
                 call.add_done_callback(lambda c, wid=wid: self._answer(wid, c))
             if view.state not in _WATCHED:  # out of placement: nothing to judge, nothing to wait for
                 return
+            calls = (call,) if self._kv_sync is None else (call, self._kv_sync.pull(wid, handle))
             # judged the moment its worker_timeout_s runs out, whatever timeout_s is
             wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
-            await asyncio.wait((call,), timeout=wait)
+            await asyncio.wait(calls, timeout=wait)
             if wid not in self.views:
                 return
             silent = time.monotonic() - self._heard(wid)
@@ -254,6 +260,9 @@ class Dispatcher:
     def _out(self, view: WorkerView, state: str, error: str) -> None:
         was = view.state
         view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
+        if self.kv_index is not None and view.worker_id in self.kv_index.workers:
+            # a lost worker's cache went with its process; an unresponsive one's may have moved on
+            (self.kv_index.degrade if state == "unresponsive" else self.kv_index.drop)(view.worker_id, error)
         if state == "dead":  # streams waiting for this worker's return give up
             self._wake()
         if was == "serving":
@@ -524,7 +533,7 @@ class Dispatcher:
                 if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
                     dview.inflight_tokens += len(prompt)
                     live.local_tokens = (dview, len(prompt))
-                    dview.remember(req.block_hashes, _capacity(dview))
+                    self.policy.remember(dview, req.block_hashes, _capacity(dview))
                 if not stats.prefill_start:
                     stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return
@@ -561,7 +570,7 @@ class Dispatcher:
                 pview.inflight -= 1
                 pview.inflight_tokens -= len(prompt)
             if result.ok:
-                pview.remember(req.block_hashes, _capacity(pview))
+                self.policy.remember(pview, req.block_hashes, _capacity(pview))
                 if not stats.first_token:
                     stats.first_token = time.monotonic()
                     stats.cached_prompt_tokens = result.num_cached_tokens
@@ -613,21 +622,7 @@ class Dispatcher:
                                    f"{type(exc).__name__}: {exc}") from exc
         return len(pairs)
 
-    @staticmethod
-    async def _warm_pair(prefill: WorkerHandle, decode: WorkerHandle, rid: str, prompt: list[int],
-                         params: SamplingParams) -> None:
-        adm = await decode.admit(rid, prompt, params)
-        if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
-            adm = await _admitted(decode, rid)
-        if adm.stage != DecodeStage.LOCAL_PREFILL:
-            result = await prefill.submit(PrefillTask(rid, list(prompt), params, list(adm.descriptors)))
-            if not result.ok:
-                raise RuntimeError(result.error or "prefill failed")
-        async for out in decode.stream(rid):
-            if out.finished:
-                if out.finish_reason in ("error", "abort"):
-                    raise RuntimeError(f"decode ended with {out.finish_reason}: {out.error or 'no detail'}")
-                return
+    _warm_pair = staticmethod(warm_pair)
 
     # ---- resizing pools at run time (cluster.runtime's scaler drives these) -------------------
     async def add_worker(self, handle: WorkerHandle, timeout_s: float = 120.0) -> float:
@@ -721,6 +716,8 @@ class Dispatcher:
         if warming is not None:
             warming.cancel()
         handle.on_lost = None
+        if self._kv_sync is not None:
+            self._kv_sync.forget(wid)
         await handle.close()
         self._wake()
 
@@ -732,24 +729,7 @@ class Dispatcher:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    @staticmethod
-    async def _abort(decode: WorkerHandle | None, prefill: WorkerHandle | None, rid: str) -> bool:
-        """Cancel `rid` on both workers at once (a prefill worker deep in a long step must not
-        hold the decode worker's pages: the decode side never frees a page a write is still
-        landing in); whether the decode worker answered (False: it is gone)."""
-        async def one(handle: WorkerHandle) -> bool:
-            try:
-                await asyncio.wait_for(handle.cancel(rid), 10)
-                return True
-            except Exception as exc:
-                log.warning("cancel of %s on %s failed: %s", rid, handle.worker_id, _first_line(exc))
-                return False
-
-        if not rid:
-            return True
-        handles = [h for h in (prefill, decode) if h is not None]
-        results = await asyncio.gather(*(one(h) for h in handles))
-        return all(ok for h, ok in zip(handles, results) if h is decode)
+    _abort = staticmethod(cancel_pair)
 
     async def drain_cleanup(self) -> None:
         """Finish pending cancels, drop pending load calls and stop reading the workers' output
@@ -760,6 +740,8 @@ class Dispatcher:
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
+        if self._kv_sync is not None:
+            await self._kv_sync.close()
         await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
 
 
@@ -778,21 +760,6 @@ def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
         raise RequestError("a worker returned no logprobs for a request that asked for them",
                            grpc.StatusCode.INTERNAL)
     return lps
-
-
-async def _admitted(decode: WorkerHandle, rid: str) -> Admission:
-    """The admission with pages of a request that was QUEUED_FOR_PAGES."""
-    out = await decode.next_output(rid)
-    if not isinstance(out, Admission):
-        raise RequestError(f"request ended on decode worker {decode.worker_id} while queued for pages: "
-                           f"{out.finish_reason}: {out.error or 'no detail'}", grpc.StatusCode.UNAVAILABLE)
-    return out
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's first line: a Ray error carries a whole remote traceback."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _capacity(view: WorkerView) -> int:

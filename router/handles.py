@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from decode_worker.types import Admission, DecodeOutput
+from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
 from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
@@ -155,6 +156,10 @@ class WorkerHandle:
 
     async def load(self) -> WorkerLoad:
         return await self.remote.call("load")
+
+    async def kv_events(self, epoch: str, since: int) -> KVEventBatch:
+        """The worker's prefix-cache events after `since` of `epoch`, or a snapshot (engine.kv_events)."""
+        return await self.remote.call("call", "kv_events", epoch, since)
 
     def take_lost(self) -> BaseException | None:
         """Why the worker's output stream failed since the last call (its process was lost), or None."""

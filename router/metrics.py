@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.heap import GcPauseStats, gc_pauses
+from router.kv_index import KVIndex
 from router.policy import WORKER_STATES, WorkerView
 
 request_log = logging.getLogger("pdcluster.requests")
@@ -63,6 +64,40 @@ class WorkerCollector(Collector):
         yield state
 
 
+class KVIndexCollector(Collector):
+    """The KV index's state (router/kv_index.py), read at scrape time: per worker whether it is
+    exact, its blocks, events applied and placements that fell back to the approximate LRU;
+    snapshots by reason; distinct blocks cluster-wide."""
+
+    def __init__(self, index: KVIndex, views: Callable[[], Mapping[str, WorkerView]] | None) -> None:
+        self._index, self._views = index, views
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["worker", "pool", "role"]
+        exact = GaugeMetricFamily("pdcluster_kv_index_exact", "1 while the router's KV index of the worker's prefix "
+                                  "cache is exact (placement routes by it), 0 while degraded or unknown", labels=labels)
+        blocks = GaugeMetricFamily("pdcluster_kv_index_worker_blocks", "block hashes indexed for the worker",
+                                   labels=labels)
+        events = CounterMetricFamily("pdcluster_kv_index_events", "KV events applied to the index", labels=labels)
+        fallbacks = CounterMetricFamily("pdcluster_kv_index_fallbacks", "placements that judged the worker by the "
+                                        "router's approximate LRU because its index was not exact", labels=labels)
+        views = dict(self._views()) if self._views is not None else {}
+        for wid, w in list(self._index.workers.items()):
+            v = views.get(wid)
+            lv = [wid, v.pool if v is not None else "", v.role if v is not None else ""]
+            exact.add_metric(lv, 1.0 if w.state == "exact" else 0.0)
+            blocks.add_metric(lv, len(w.blocks))
+            events.add_metric(lv, w.events)
+            fallbacks.add_metric(lv, w.fallbacks)
+        snapshots = CounterMetricFamily("pdcluster_kv_index_snapshots", "full snapshots of a worker's prefix cache "
+                                        "taken, by reason", labels=["reason"])
+        for reason, n in self._index.snapshots.items():
+            snapshots.add_metric([reason], n)
+        total = GaugeMetricFamily("pdcluster_kv_index_blocks", "distinct block hashes cached on any worker")
+        total.add_metric([], self._index.num_blocks)
+        yield from (exact, blocks, events, fallbacks, snapshots, total)
+
+
 class GcCollector(Collector):
     """Garbage-collection pauses of the router's process and of every worker's (from its load
     view), labelled {process} = "router" or the worker id: see engine.heap for why they matter."""
@@ -92,7 +127,8 @@ class GcCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None = None) -> None:
+    def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None = None,
+                 kv_index: KVIndex | None = None) -> None:
         self.registry = r = CollectorRegistry()
         h = lambda name, doc: Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
         self.ttft = h("pdcluster_request_ttft_seconds", "arrival to the first token sent")
@@ -112,6 +148,8 @@ class RouterMetrics:
         if views is not None:
             r.register(WorkerCollector(views))
         r.register(GcCollector(views))
+        if kv_index is not None:
+            r.register(KVIndexCollector(kv_index, views))
 
     def asgi_app(self):
         """An ASGI app serving the Prometheus text at GET /metrics (router.server serves it, with

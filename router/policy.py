@@ -5,9 +5,12 @@ the request's block hashes; it never calls a worker.
 
   round-robin   each role in turn, ignoring load
   least-loaded  decode: fewest in-flight, then most free pages; prefill: fewest queued tokens
-  prefix-aware  prefill: most leading block hashes believed cached, less queued tokens;
-                decode as least-loaded. The index is approximate (what this router sent
-                where, LRU-capped at the worker's page count), never asked of the workers.
+  prefix-aware  prefill: most leading block hashes cached, less queued tokens; decode as
+                least-loaded. "Cached" is the cluster's KV index (router/kv_index.py: the
+                workers' own caches, from their KV events) for a worker whose index is
+                exact; for one whose index is degraded (or with no index: the simulator), an
+                approximate LRU of what this router sent where, capped at the worker's page
+                count, and each such placement is counted (the kv_index_fallbacks metric).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.load import WorkerLoad
+from router.kv_index import KVIndex
 
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 WORKER_STATES = ("starting", "serving", "spare", "replacing", "unresponsive", "dead")  # docs/reliability.md
@@ -79,6 +83,10 @@ class PlacementPolicy:
         """A worker that prefills the prompt itself and then decodes it."""
         return self.pick_decode(views, hashes)
 
+    def remember(self, view: WorkerView, hashes: Sequence[int], capacity: int) -> None:
+        """A prompt of these block hashes was placed on the worker, which caches its pages."""
+        view.remember(hashes, capacity)
+
     def place(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
         """Where a request decodes: by the colocated rule when every candidate prefills its own
         prompts, else by the decode rule (its prefill is placed apart)."""
@@ -113,13 +121,29 @@ class LeastLoaded(PlacementPolicy):
 class PrefixAware(LeastLoaded):
     name = "prefix-aware"
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, index: KVIndex | None = None) -> None:
         self.page_size = page_size
+        self.index = index
 
     def pick_prefill(self, views, hashes):
         # A cached page saves page_size tokens of compute; queued tokens delay this one.
-        return max(views, key=lambda v: (v.matched_pages(hashes) * self.page_size - v.queued_tokens,
+        return max(views, key=lambda v: (self.cached_pages(v, hashes) * self.page_size - v.queued_tokens,
                                          -v.inflight, -v.placed))
+
+    def remember(self, view: WorkerView, hashes: Sequence[int], capacity: int) -> None:
+        view.remember(hashes, capacity)
+        if self.index is not None:
+            self.index.expect(view.worker_id, hashes)
+
+    def cached_pages(self, view: WorkerView, hashes: Sequence[int]) -> int:
+        """Leading pages of the prompt the worker holds: exact from the index, else the LRU guess."""
+        index = self.index
+        if index is None:
+            return view.matched_pages(hashes)
+        if index.exact(view.worker_id):
+            return index.matched_pages(view.worker_id, hashes)
+        index.fallback(view.worker_id)
+        return view.matched_pages(hashes)
 
     def pick_colocated(self, views, hashes):
         # It prefills here, so prefix hits and queued prompt tokens weigh as for a prefill
@@ -127,11 +151,12 @@ class PrefixAware(LeastLoaded):
         return self.pick_prefill(views, hashes)
 
 
-def make_policy(name: str, page_size: int) -> PlacementPolicy:
+def make_policy(name: str, page_size: int, index: KVIndex | None = None) -> PlacementPolicy:
+    """`index`: the cluster's KV index, for prefix-aware placement (None: the approximate LRU only)."""
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
     if name == "prefix-aware":
-        return PrefixAware(page_size)
+        return PrefixAware(page_size, index)
     raise ValueError(f"policy must be one of {list(POLICIES)}, got {name!r}")

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.pdcluster.v1 import inference_pb2 as pb
-from router.dispatch import WARM_UP_PROMPT
+from router.pair_calls import WARM_UP_PROMPT
 from router.security import Access, Tls
 from router.service import InferenceService
 from router.wire import safe_deserializer

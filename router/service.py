@@ -125,7 +125,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         # cancel landing there would end the call with no status, so a drain stops them when they resume
         self._at_yield: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()
-        self.metrics = RouterMetrics(lambda: dispatcher.views)
+        self.metrics = RouterMetrics(lambda: dispatcher.views, dispatcher.kv_index)
         self.pool_targets: PoolTargets | None = None  # set where something owns the workers (a Ray cluster)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
@@ -394,8 +394,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         workers = []
         pushed = {w["worker_id"]: w for w in self.pool_targets.status.get("workers", ())} \
             if self.pool_targets is not None else {}
+        index = self.dispatcher.kv_index
         for v in self.dispatcher.views.values():
             ld = v.load or WorkerLoad()
+            kv = index.workers.get(v.worker_id) if index is not None else None
             workers.append(pb.WorkerStatus(
                 worker_id=v.worker_id, pool=v.pool, role=v.role, healthy=v.healthy, error=v.error,
                 free_pages=ld.free_pages, total_pages=ld.total_pages, running_requests=ld.running_requests,
@@ -407,7 +409,10 @@ class InferenceService(pb_grpc.InferenceServicer):
                 tp_size=getattr(ld, "tp_size", 1) if v.load is not None else 0,
                 rank_pids=getattr(ld, "rank_pids", ()), rank_nodes=getattr(ld, "rank_nodes", ()),
                 num_threads=getattr(ld, "num_threads", 0),
-                moving_to=pushed.get(v.worker_id, {}).get("moving_to", "")))
+                moving_to=pushed.get(v.worker_id, {}).get("moving_to", ""),
+                kv_index_state=kv.state if kv is not None else "unknown",
+                kv_index_blocks=len(kv.blocks) if kv is not None else 0,
+                kv_index_reason=kv.reason if kv is not None else "no KV index" if index is None else "not synced yet"))
         for w in pushed.values():  # workers the driver has and this router has not (yet, or any more)
             if w["worker_id"] not in self.dispatcher.views:
                 workers.append(pb.WorkerStatus(worker_id=w["worker_id"], pool=w["pool"], role=w["role"],
@@ -416,4 +421,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.ClusterStatusResponse(workers=workers, policy=self.dispatcher.policy.name, pools=self._pools(),
                                         inflight_requests=self._running, queued_requests=self._waiting,
                                         max_inflight=self.max_inflight, max_queue=self.max_queue,
-                                        requests_served=self.served, requests_failed=self.failed)
+                                        requests_served=self.served, requests_failed=self.failed,
+                                        kv_index_exact=index is not None and index.all_exact(
+                                            v.worker_id for v in self.dispatcher.views.values() if v.state == "serving"),
+                                        kv_index_blocks=index.num_blocks if index is not None else 0)

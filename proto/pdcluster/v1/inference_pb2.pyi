@@ -221,7 +221,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., current_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., start_failures: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads", "moving_to")
+    __slots__ = ("worker_id", "pool", "role", "healthy", "free_pages", "total_pages", "running_requests", "waiting_requests", "queued_tokens", "transferring_requests", "tokens_per_s", "prefix_cache_hit_rate", "requests_placed", "error", "pid", "node", "state", "restarts", "last_error", "tp_size", "rank_pids", "rank_nodes", "num_threads", "moving_to", "kv_index_state", "kv_index_blocks", "kv_index_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,9 @@ class WorkerStatus(_message.Message):
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     MOVING_TO_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: str
     role: str
@@ -270,10 +273,13 @@ class WorkerStatus(_message.Message):
     rank_nodes: _containers.RepeatedScalarFieldContainer[str]
     num_threads: int
     moving_to: str
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ..., moving_to: _Optional[str] = ...) -> None: ...
+    kv_index_state: str
+    kv_index_blocks: int
+    kv_index_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ..., moving_to: _Optional[str] = ..., kv_index_state: _Optional[str] = ..., kv_index_blocks: _Optional[int] = ..., kv_index_reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools")
+    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools", "kv_index_exact", "kv_index_blocks")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +289,8 @@ class ClusterStatusResponse(_message.Message):
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_EXACT_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     policy: str
     inflight_requests: int
@@ -292,7 +300,9 @@ class ClusterStatusResponse(_message.Message):
     requests_served: int
     requests_failed: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+    kv_index_exact: bool
+    kv_index_blocks: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_index_exact: _Optional[bool] = ..., kv_index_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages")
