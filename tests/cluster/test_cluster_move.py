@@ -90,6 +90,11 @@ def test_move_a_decode_worker_to_prefill_and_back_under_streams(tiny_model, make
         check_equal(got2, llm, prompts2, TOKENS)
         st = wait_until(lambda: _all_free(stub, ()), 30, 0.05, "every page free")
         assert st.requests_failed == 0 and st.requests_served >= 2 * N, st
+        # the router's KV index followed the workers through Ray and both moves: exact for every one
+        st = wait_until(lambda: (lambda s: s if s.kv_index_exact else None)(
+            stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)), 10, 0.1, "the KV index exact")
+        assert all(w.kv_index_state == "exact" for w in st.workers if w.state == "serving"), st.workers
+        assert st.kv_index_blocks > 0
         serving = sorted((w.pool, w.pid) for w in st.workers if w.state == "serving")
         assert sorted(p for _, p in serving) == sorted(pids.values()), "three processes from start to end"
         print("\n".join(events))
