@@ -200,7 +200,8 @@ class DecodeWorker:
         load = self.core.load()
         return dataclasses.replace(load, waiting_requests=load.waiting_requests + len(self._queued),
                                    queued_for_pages=len(self._queued), num_local_prefills=self.num_local_prefills,
-                                   num_reprefills=self.num_reprefills)
+                                   num_reprefills=self.num_reprefills,
+                                   local_prefill_threshold=self.config.local_prefill_threshold if self.connector else 0)
 
     def kv_events(self, epoch: str, since: int) -> KVEventBatch:
         """The prefix cache's events after `since` of `epoch`, or a snapshot (EngineCore.kv_events)."""

@@ -25,6 +25,7 @@ class WorkerLoad:
     queued_for_pages: int = 0      # decode: admitted, waiting for pages to receive KV into
     waiting_for_kv: int = 0        # decode: pages allocated, KV not arrived yet
     num_local_prefills: int = 0    # decode: prompts prefilled here instead of transferred
+    local_prefill_threshold: int = 0  # decode: a prompt with fewer uncached tokens here is prefilled here (0: never)
     num_reprefills: int = 0        # decode: failed transfers prefilled here instead
     gc: GcPauseStats | None = None  # the worker process's garbage collections (its host sets it)
     pid: int = 0                   # the worker's process (its host sets it): a new one means a restart

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.types import DecodeStage
+from engine.block_hash import page_hashes
 from engine.outputs import Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
@@ -475,6 +476,8 @@ class Dispatcher:
                                            f"{out.finish_reason}: {out.error or 'no detail'}",
                                            grpc.StatusCode.UNAVAILABLE)
                     stats.finish_reason = out.finish_reason or "stop"
+                    if resume is None:
+                        self._expect_conversation(live, req, out.token_ids)
                     return
         finally:
             live.end_local_prefill()
@@ -482,6 +485,17 @@ class Dispatcher:
                 v.inflight -= 1
             if not live.done:
                 self._abort_later(live)
+
+    def _expect_conversation(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
+        """The decode worker now caches the full pages of prompt + answer (all but the last
+        token, whose KV is never computed): the next turn of a conversation, whose prompt starts
+        with them, may arrive before the worker's KV events say so."""
+        view = self.views.get(live.decode.worker_id)
+        size = getattr(self.policy, "page_size", 0)
+        if view is None or not size or len(output) < 2:
+            return
+        tokens = list(req.prompt_token_ids) + list(output[:-1])
+        self.policy.remember(view, page_hashes(tokens, size, req.block_hashes), _capacity(view))
 
     @staticmethod
     async def _decode_stream(live: _Live) -> AsyncIterator:
@@ -506,7 +520,7 @@ class Dispatcher:
             stats.attempts += 1
             rid = base if not retry else f"{base}~{retry}"
             retry += 1
-            dview = self.policy.place(self._decode_candidates(req), req.block_hashes)
+            dview = self.policy.place(self._decode_candidates(req), req.block_hashes, len(prompt))
             decode = self.decodes[dview.worker_id]
             live.decode, live.prefill, live.worker_rid = decode, None, rid
             # Counted before the admit is awaited: a worker answers between engine steps, so a
@@ -530,10 +544,12 @@ class Dispatcher:
             stats.decode_worker = dview.worker_id
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
-                if dview.role == "colocated":  # its engine caches the prompt's pages as it prefills
+                # its engine caches the prompt's pages as it prefills (the next turn of a
+                # conversation finds them there)
+                self.policy.remember(dview, req.block_hashes, _capacity(dview))
+                if dview.role == "colocated":
                     dview.inflight_tokens += len(prompt)
                     live.local_tokens = (dview, len(prompt))
-                    self.policy.remember(dview, req.block_hashes, _capacity(dview))
                 if not stats.prefill_start:
                     stats.prefill_start = time.monotonic()  # first_token: when the decode stream first yields
                 return

@@ -73,7 +73,8 @@ class WorkerView:
 class PlacementPolicy:
     name = "base"
 
-    def pick_decode(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+    def pick_decode(self, views: Sequence[WorkerView], hashes: Sequence[int], num_tokens: int = 0) -> WorkerView:
+        """`num_tokens`: the prompt's length (its full pages are `hashes`)."""
         raise NotImplementedError
 
     def pick_prefill(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
@@ -87,12 +88,13 @@ class PlacementPolicy:
         """A prompt of these block hashes was placed on the worker, which caches its pages."""
         view.remember(hashes, capacity)
 
-    def place(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+    def place(self, views: Sequence[WorkerView], hashes: Sequence[int], num_tokens: int = 0) -> WorkerView:
         """Where a request decodes: by the colocated rule when every candidate prefills its own
-        prompts, else by the decode rule (its prefill is placed apart)."""
+        prompts, else by the decode rule (its prefill is placed apart, or done there: a decode
+        worker prefills a prompt locally when its uncached part there is short)."""
         if all(v.role == "colocated" for v in views):
             return self.pick_colocated(views, hashes)
-        return self.pick_decode(views, hashes)
+        return self.pick_decode(views, hashes, num_tokens)
 
 
 class RoundRobin(PlacementPolicy):
@@ -101,7 +103,7 @@ class RoundRobin(PlacementPolicy):
     def __init__(self) -> None:
         self._turn = {"decode": itertools.count(), "prefill": itertools.count()}
 
-    def pick_decode(self, views, hashes):
+    def pick_decode(self, views, hashes, num_tokens=0):
         return views[next(self._turn["decode"]) % len(views)]
 
     def pick_prefill(self, views, hashes):
@@ -111,7 +113,7 @@ class RoundRobin(PlacementPolicy):
 class LeastLoaded(PlacementPolicy):
     name = "least-loaded"
 
-    def pick_decode(self, views, hashes):
+    def pick_decode(self, views, hashes, num_tokens=0):
         return min(views, key=lambda v: (v.inflight, -v.free_pages, v.placed))
 
     def pick_prefill(self, views, hashes):
@@ -124,6 +126,30 @@ class PrefixAware(LeastLoaded):
     def __init__(self, page_size: int, index: KVIndex | None = None) -> None:
         self.page_size = page_size
         self.index = index
+
+    # how many more requests in flight the decode worker holding a prompt's prefix may have than
+    # the least loaded one and still be chosen for it
+    AFFINITY_SLACK = 4
+
+    def pick_decode(self, views, hashes, num_tokens=0):
+        """The least loaded decode worker, unless one would prefill this prompt itself (its
+        uncached part there is under the worker's `local_prefill_threshold`, by the KV index):
+        then the one of those with the least left to prefill, the holder of the conversation
+        so far, which computes only the new tokens and transfers nothing, within
+        AFFINITY_SLACK requests of the least loaded."""
+        least = super().pick_decode(views, hashes)
+        index = self.index
+        if index is None or not num_tokens:
+            return least
+        local = []
+        for v in views:
+            threshold = v.load.local_prefill_threshold if v.load is not None else 0
+            if not threshold or v.inflight > least.inflight + self.AFFINITY_SLACK:
+                continue
+            uncached = num_tokens - self.cached_pages(v, hashes) * self.page_size
+            if uncached < threshold:
+                local.append((uncached, v.inflight, -v.free_pages, v.placed, v))
+        return min(local, key=lambda x: x[:4])[4] if local else least
 
     def pick_prefill(self, views, hashes):
         # A cached page saves page_size tokens of compute; queued tokens delay this one.
