@@ -1,4 +1,4 @@
-"""The SLA planner (config `autoscale:`, docs/operations.md "Autoscaling"): one per cluster, in
+"""The SLA planner (config `autoscale:`, docs/scaling.md "Autoscaling"): one per cluster, in
 router 0's actor (cluster.actors.RouterActor.start), on the router's event loop.
 
 Why there: router 0 has every input at hand without an RPC (the dispatcher's worker views, whose

@@ -43,7 +43,7 @@ SECTION_NOTES: dict[str, str] = {
                   "of its own, one bundle per rank.",
     "ResourceShape": "What Ray reserves for each replica of a pool (for each rank of a tensor-parallel replica). "
                      "A rank's torch intra-op threads are its whole reserved CPUs (at least 1).",
-    "AutoscaleSettings": "The SLA planner (docs/operations.md#autoscaling): one per cluster, in router 0. Its fast "
+    "AutoscaleSettings": "The SLA planner (docs/scaling.md#autoscaling): one per cluster, in router 0. Its fast "
                          "loop moves a pool by one replica toward the TTFT and ITL objective, its slow loop sets "
                          "each pool a floor from the observed arrival rate; mode off by default.",
     "AutoscalePool": "The range of serving workers the planner keeps one pool in (key: the pool's name).",
