@@ -26,6 +26,7 @@ _COMMANDS: dict[tuple[str | None, str], tuple[str, str]] = {
     ("bench", "serve"): ("bench.serve_cli", "load a running endpoint with a workload: TTFT, TPOT, ITL, goodput"),
     ("bench", "disagg-vs-colocated"): ("bench.disagg_vs_colocated", "the experiment: 1P+1D vs 2 colocated on a trace"),
     ("bench", "chaos"): ("bench.chaos", "faults against a local cluster: fuzz, cancels, overload, kill -9"),
+    ("bench", "multiturn"): ("bench.multiturn_bench", "multi-turn chats: per-turn TTFT and prefix hit rate, disagg vs colocated"),
     ("bench", "autoscale"): ("bench.autoscale_bench", "elastic pool vs static 1 and 2 replicas on a burst: SLO attainment, worker-s"),
     ("plan", "profile"): ("planning.profile_cli", "profile the real engine here and fit a latency model"),
     ("plan", "simulate"): ("planning.simulate_cli", "discrete-event simulation of a cluster config on a workload"),

@@ -68,7 +68,7 @@ async def run_benchmark(address: str, workload: Workload, *, max_concurrency: in
         note("waiting", -1)
         note("in_flight", +1)
         try:
-            return await _send(stub, req, t0, timeout_s, f"{run_tag}-{req.index}")
+            return await send_request(stub, req, t0, timeout_s, f"{run_tag}-{req.index}")
         finally:
             if sem:
                 sem.release()
@@ -86,8 +86,10 @@ async def run_benchmark(address: str, workload: Workload, *, max_concurrency: in
     return list(records), max(time.perf_counter() - t0, 1e-9), timeline
 
 
-async def _send(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, timeout_s: float,
-                request_id: str) -> RequestRecord:
+async def send_request(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, timeout_s: float,
+                       request_id: str, output_ids: list[int] | None = None) -> RequestRecord:
+    """One greedy, `ignore_eos` request, streamed: its record, timed from `t0`. The answer's token
+    ids go into `output_ids` when given (a multi-turn client appends them to the history)."""
     sampling = pb.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
     msg = pb.GenerateRequest(request_id=request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling,
                              decode_worker=req.decode_worker)
@@ -101,6 +103,8 @@ async def _send(stub: pb_grpc.InferenceStub, req: WorkloadRequest, t0: float, ti
             if chunk.token_ids:
                 rec.chunk_times_s.append(now)
                 rec.output_tokens += len(chunk.token_ids)
+                if output_ids is not None:
+                    output_ids.extend(chunk.token_ids)
             last = chunk
     except grpc.aio.AioRpcError as exc:
         rec.error, rec.error_detail = exc.code().name, exc.details() or ""
