@@ -6,7 +6,9 @@ conversation trace (shared prefixes from its `hash_ids`). The same conversations
 tokens, run on one real local cluster per (arm, policy), one after the other:
 
   arms      colocated      `--colocated-workers` (2) workers that each prefill and decode
-            disaggregated  1 prefill + 1 decode worker, KV over `--transport`
+            disaggregated  1 prefill + 1 decode worker, KV over `--transport`; the decode worker
+                           prefills a turn itself when less than `--local-prefill-threshold`
+                           tokens of it are uncached there (default 0: never, the config's default)
   policies  prefix-aware   the router places by cached prefix (its KV index)
             round-robin    cache-aware routing off: the baseline
 
@@ -66,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated arm (default 2)")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--local-prefill-threshold", type=int, default=None,
+                   help="the disaggregated arm's decode pool prefills a prompt whose uncached part there is under "
+                        "this many tokens itself (engine.local_prefill_threshold); default: the config's (0, never)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="multiturn.json")
     p.add_argument("--quick", action="store_true",
@@ -93,6 +98,8 @@ def _settle(args: argparse.Namespace) -> None:
     for key in ("window_s", "time_scale"):
         if not getattr(args, key) > 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be > 0, got {getattr(args, key)}")
+    if args.local_prefill_threshold is not None and args.local_prefill_threshold < 0:
+        raise SystemExit(f"--local-prefill-threshold must be >= 0, got {args.local_prefill_threshold}")
     if args.workload == "mooncake":
         args.trace = str(_trace_path(args.trace))  # before any cluster starts
 
@@ -111,6 +118,8 @@ def _config(arm: str, policy: str, args: argparse.Namespace):
 
     engine = {"dtype": args.dtype}
     if arm == "disaggregated":
+        if args.local_prefill_threshold is not None:  # a decode pool's setting: the prefill pool ignores it
+            engine["local_prefill_threshold"] = args.local_prefill_threshold
         return ClusterConfig.embedded(model=args.model, prefill=1, decode=1, transport=args.transport, port=0,
                                       policy=policy, engine=engine)
     return ClusterConfig.embedded(model=args.model, decode=args.colocated_workers, mode="colocated",

@@ -9,8 +9,8 @@ clients that play them.
   trace's (compressed) times, prompts whose blocks follow the trace's `hash_ids`, so equal ids
   are equal tokens and the trace's shared prefixes are real ones. The trace has no
   conversation ids: a request continues the earlier request with which it shares the longest
-  run of leading blocks (at least MIN_SHARED_BLOCKS; block 0 is common to every request), and
-  its turn is that one's turn + 1.
+  run of leading blocks (at least MIN_SHARED_BLOCKS; block 0 is common to every request; the
+  first such request, see `trace_parents`), and its turn is that one's turn + 1.
 
 Both give one `TurnRecord` per request: the client's `RequestRecord` (TTFT, the router's
 `usage.cached_prompt_tokens`, placement) with its conversation, turn and the part of the
@@ -86,8 +86,10 @@ class TraceReplay:
 
 
 def trace_parents(blocks: list[tuple[int, ...]], min_shared: int = MIN_SHARED_BLOCKS) -> list[tuple[int | None, int]]:
-    """For each request (in arrival order): (the earlier request it shares the longest run of
-    leading block ids with, at least `min_shared`, else None; that run's length, 0 if None)."""
+    """For each request (in arrival order): (the first earlier request that had the longest run of
+    leading block ids this one shares, at least `min_shared` long, else None; that run's length, 0
+    if None). The first, not the latest: a request that branches off after block k continues the
+    request that introduced blocks 0..k, not a sibling that went on from there."""
     owner: dict[tuple[int, ...], int] = {}
     out = []
     for i, h in enumerate(blocks):
@@ -98,7 +100,7 @@ def trace_parents(blocks: list[tuple[int, ...]], min_shared: int = MIN_SHARED_BL
                 break
         out.append(found)
         for j in range(1, len(h) + 1):
-            owner[h[:j]] = i
+            owner.setdefault(h[:j], i)
     return out
 
 
