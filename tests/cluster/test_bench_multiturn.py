@@ -1,13 +1,20 @@
 """`pdcluster bench multiturn --quick` end to end on a real local cluster (tiny model, one arm):
 the report has a row per turn, every turn completed, and under prefix-aware placement the later
-turns of a conversation find their history in the cache, which turn 1 cannot."""
+turns of a conversation find their history in the cache, which turn 1 cannot.
+
+Slow (a benchmark's smoke run, ~25 s): the default run covers the conversations' prompt building
+(tests/unit/test_conversations.py) and a conversation's placement (tests/integration/
+test_conversation_affinity.py)."""
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.cli import build_parser
 
 
+@pytest.mark.slow
 def test_quick_multiturn_on_colocated_prefix_aware_reuses_the_history(tiny_model, tmp_path):
     tiny_model("llama")  # built once here; the actors find it in PDCLUSTER_CACHE
     out = tmp_path / "multiturn.json"
