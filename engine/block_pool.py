@@ -46,36 +46,56 @@ class BlockPool:
         return len(self._by_hash)
 
     def allocate(self, n: int) -> list[int]:
-        """n pages with refcount 1, evicting the least recently freed cached pages first."""
+        """n pages with refcount 1, evicting the least recently freed cached pages first.
+        Handed out in this order: plain free pages (the most recently freed first), then pages
+        never used (ascending), then cached free pages (least recently freed first). A long
+        prompt takes hundreds of pages at once, so the first two come in slices."""
         if n > self.num_free_pages:
             raise OutOfPagesError(f"need {n} pages, {self.num_free_pages} free")
-        pages = []
-        for _ in range(n):
-            if self._free_plain:
-                page = self._free_plain.pop()
-            elif len(self.ref_counts) < self.num_pages:  # the next page never used
-                page = len(self.ref_counts)
-                self.ref_counts.append(0)
-                self._page_info.append(None)
-            else:
-                page, _ = self._free_cached.popitem(last=False)
-                self._evict(page)
-            self.ref_counts[page] = 1
-            pages.append(page)
+        ref_counts = self.ref_counts
+        plain = self._free_plain
+        k = min(n, len(plain))
+        if k:
+            pages = plain[: -k - 1: -1]  # popped from the top of the stack, one by one
+            del plain[-k:]
+            for page in pages:
+                ref_counts[page] = 1
+        else:
+            pages = []
+        k = min(n - k, self.num_pages - len(ref_counts))
+        if k > 0:  # the next pages never used
+            first = len(ref_counts)
+            pages.extend(range(first, first + k))
+            ref_counts.extend([1] * k)
+            self._page_info.extend([None] * k)
+        rest = n - len(pages)
+        if rest:
+            popitem, info, by_hash = self._free_cached.popitem, self._page_info, self._by_hash
+            for _ in range(rest):
+                page = popitem(last=False)[0]
+                entry = info[page]  # evicted: its cache entry goes
+                if entry is not None:
+                    info[page] = None
+                    if by_hash.get(entry[0]) == page:
+                        del by_hash[entry[0]]
+                ref_counts[page] = 1
+                pages.append(page)
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference to each page. Pass a request's pages in reverse order, so that
         its tail (the least shared part) is evicted before its head."""
+        ref_counts, info = self.ref_counts, self._page_info
+        plain, cached = self._free_plain, self._free_cached
         for page in pages:
-            count = self.ref_counts[page] - 1
+            count = ref_counts[page] - 1
             assert count >= 0, f"page {page} freed more often than allocated"
-            self.ref_counts[page] = count
-            if count == 0:
-                if self._page_info[page] is None:
-                    self._free_plain.append(page)
+            ref_counts[page] = count
+            if not count:
+                if info[page] is None:
+                    plain.append(page)
                 else:
-                    self._free_cached[page] = None
+                    cached[page] = None
 
     def touch(self, pages: Iterable[int]) -> None:
         """Take one more reference to pages found in the prefix cache."""
@@ -99,10 +119,14 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         info, by_hash = self._page_info, self._by_hash
+        tokens = None  # token_ids[first * page_size:end * page_size] as one tuple, sliced per page
         for i in range(first, end):
             page, block_hash = pages[i], hashes[i]
             if info[page] is None and block_hash not in by_hash:
-                info[page] = (block_hash, tuple(token_ids[i * page_size:(i + 1) * page_size]))
+                if tokens is None:
+                    tokens = tuple(token_ids[first * page_size:end * page_size])
+                at = (i - first) * page_size
+                info[page] = (block_hash, tokens[at:at + page_size])
                 by_hash[block_hash] = page
 
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:

@@ -90,7 +90,7 @@ class KVCacheManager:
         ps = self.page_size
         tokens = seq.all_token_ids
         if len(seq.block_hashes) < full:
-            seq.block_hashes = page_hashes(tokens[: full * ps], ps, seq.block_hashes)
+            seq.block_hashes = page_hashes(tokens, ps, seq.block_hashes, full)  # (no copy of the tokens)
         self.pool.cache_pages(seq.pages, seq.block_hashes, tokens, done, full, ps)
         seq.num_cached_pages_registered = full
 
