@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadgen.workloads import build_workload
     from planning.hardware import get_gpu
     from planning.roofline import model_shape, roofline_latency_model
-    from planning.sim_engine import EngineLimits
+    from planning.sim_request import EngineLimits
     from planning.sim_spec import SimCluster, SimPool
     from planning.simulator import simulate
 

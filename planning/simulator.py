@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from loadgen.client import Timeline
 from loadgen.metrics import RequestRecord, meets_slo
 from loadgen.workloads import Workload
-from planning.sim_engine import EngineSim, SimRequest
+from planning.sim_engine import EngineSim
+from planning.sim_request import SimRequest
 from planning.sim_spec import SimCluster
 from router.policy import WorkerView, make_policy
 
