@@ -148,7 +148,7 @@ class EngineSim:
             return self.kv.num_free_pages
         # a planned run's pages as the step-by-step path would have them now: every page taken
         # by the steps started so far (pages are taken when a step is scheduled, none given back)
-        return self.kv.num_free_pages - run.allocs_by_step[run.started(self.clock()) - 1]
+        return self.kv.num_free_pages - run.allocs(run.started(self.clock()) - 1)
 
     @property
     def preemptions(self) -> int:

@@ -11,6 +11,7 @@ through the KV manager's own calls, in the order the step-by-step path makes the
 from __future__ import annotations
 
 import bisect
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,23 +35,29 @@ MAX_RUN = 512  # decode steps planned at once (a run cut short wastes its planni
 
 @dataclass(slots=True, eq=False)
 class _Run:
-    """Decode steps planned at once: the batch cannot change before one of its requests
-    finishes or something from outside reaches the worker, so each step's batch and time are
-    known in advance. Nothing is applied to the engine until the run ends or is interrupted
-    (`EngineSim.sync`); then every page the steps took and registered is taken and registered
-    through the KV manager's own calls, in the order the step-by-step path makes them."""
+    """Decode steps planned at once. Only their times are worked out in advance; the pages
+    they take and fill are worked out (and taken) when the run is applied, for the steps that
+    ran (`apply_run`)."""
     start: float
     ends: list          # end time of each step
     durs: list          # each step's time
     reqs: list          # the running engine requests, in batch order
     sims: list          # their SimRequests
     c0: list            # their computed tokens when the run began
-    events: list        # (step, 0 = take a page | 1 = register full pages, request position), in order
-    allocs_by_step: list  # pages taken by the steps up to and including each
+    first_page: list    # per request: the first step whose token needs a new page (then every page_size)
+    page_size: int
+    _allocs: tuple = (-1, 0)  # (step, pages taken by the steps up to it): the last `allocs` answer
 
     def started(self, t: float) -> int:
         """Steps started by time `t` (steps ending before `t` are done, the next one is running)."""
         return min(bisect.bisect_left(self.ends, t) + 1, len(self.ends))
+
+    def allocs(self, step: int) -> int:
+        """Pages taken by the steps up to and including `step`."""
+        if self._allocs[0] != step:
+            ps = self.page_size
+            self._allocs = (step, sum((step - s) // ps + 1 for s in self.first_page if s <= step))
+        return self._allocs[1]
 
 
 def plan_run(w: EngineSim, now: float) -> float | None:
@@ -71,9 +78,10 @@ def plan_run(w: EngineSim, now: float) -> float | None:
         return None
     sims = []
     m = w._run_len
+    requests = w._requests
     for eng in reqs:
         computed = eng.num_computed_tokens
-        sim = w._requests[eng.request_id]
+        sim = requests[eng.request_id]
         p = eng.params
         if (computed != len(eng.all_token_ids) - 1 or computed < eng.num_prompt_tokens or sim.generated < 1
                 or sim.cached < 0 or eng.detokenizer is not None or p.stop_token_ids or not p.ignore_eos):
@@ -85,50 +93,58 @@ def plan_run(w: EngineSim, now: float) -> float | None:
     if m < 2:
         return None
     ps = w.kv.page_size
-    caching = w.kv.pool.enable_prefix_caching
-    events = []
-    c0 = []
-    for i, eng in enumerate(reqs):
-        c = eng.num_computed_tokens
-        c0.append(c)
-        s = len(eng.pages) * ps - c  # the first step whose token needs a new page
-        if s < 0:
-            return None
-        while s < m:
-            events.append((s, 0, i))
-            s += ps
-        if caching:  # the steps whose token fills a page (registered at the step's end)
-            s = max(0, (eng.num_cached_pages_registered + 1) * ps - c - 1)
-            while s < m:
-                events.append((s, 1, i))
-                s = ((c + s + 1) // ps + 1) * ps - c - 1
-    counts = [0] * m
-    for s, phase, _ in events:
-        if not phase:
-            counts[s] += 1
-    free = w.kv.num_free_pages
-    allocs_by_step, total = [], 0
-    for s, n in enumerate(counts):
-        total += n
-        if total > free:  # this step would preempt: the run stops before it
-            m = s
-            break
-        allocs_by_step.append(total)
-    if m < 2:
+    c0 = [eng.num_computed_tokens for eng in reqs]
+    first_page = [len(eng.pages) * ps - c for eng, c in zip(reqs, c0)]
+    if min(first_page) < 0:
         return None
-    events = sorted(e for e in events if e[0] < m)
-    ctx = sum(c0) + b
-    durs, ends = [], []
-    t = now
-    for _ in range(m):
-        dur = w._duration([], b, ctx)
-        t = t + dur
-        durs.append(dur)
-        ends.append(t)
-        ctx += b
-    w.run = _Run(now, ends, durs, list(reqs), sims, c0, events, allocs_by_step)
+    free = w.kv.num_free_pages
+    if sum((m - 1 - s) // ps + 1 for s in first_page if s < m) > free:
+        # pages run out within the run: it stops before the step that would preempt
+        counts = [0] * m
+        for s in first_page:
+            for k in range(s, m, ps):
+                counts[k] += 1
+        total = 0
+        for s, n in enumerate(counts):
+            total += n
+            if total > free:
+                m = s
+                break
+        if m < 2:
+            return None
+    durs = w.latency.decode_step_times(b, sum(c0) + b, m)
+    if w.load_per_stream and b > 1:  # the load terms of EngineSim._duration, in its order
+        f = 1.0 + w.load_per_stream * (b - 1)
+        durs = [d * f for d in durs]
+    if w.load_base:
+        f = 1.0 + w.load_base
+        durs = [d * f for d in durs]
+    ends = list(accumulate(durs, initial=now))
+    del ends[0]
+    w.run = _Run(now, ends, durs, list(reqs), sims, c0, first_page, ps)
+    t = ends[-1]
     w.step = _Step(now, t, None, False, b)
     return t
+
+
+def _events(w: EngineSim, run: _Run, n_alloc: int, j: int) -> list:
+    """(step, 0 = take a page | 1 = register full pages, request position) for the pages the
+    first `n_alloc` steps take and the first `j` steps fill, in the order the step-by-step path
+    makes those calls (a step's pages are taken when it is scheduled, filled ones registered at
+    its end)."""
+    ps = run.page_size
+    events = []
+    for i, s in enumerate(run.first_page):
+        events.extend((k, 0, i) for k in range(s, n_alloc, ps))
+    if w.kv.pool.enable_prefix_caching:  # the steps whose token fills a page
+        for i, (eng, c) in enumerate(zip(run.reqs, run.c0)):
+            s = max(0, (eng.num_cached_pages_registered + 1) * ps - c - 1)
+            if s < j:
+                events.append((s, 1, i))
+                s = ((c + s + 1) // ps + 1) * ps - c - 1
+                events.extend((k, 1, i) for k in range(s, j, ps))
+    events.sort()
+    return events
 
 
 def apply_run(w: EngineSim, j: int, running: bool) -> None:
@@ -137,19 +153,18 @@ def apply_run(w: EngineSim, j: int, running: bool) -> None:
     run, w.run = w.run, None
     kv = w.kv
     reqs, c0 = run.reqs, run.c0
+    n_alloc = j + 1 if running else j
+    events = _events(w, run, n_alloc, j)
     zeros = [0] * j
     for eng in reqs:
         eng.all_token_ids.extend(zeros)  # the tokens the steps sampled (the simulator samples 0)
-    n_alloc = j + 1 if running else j
-    for s, phase, i in run.events:
-        if s >= n_alloc:
-            break
+    for s, phase, i in events:
         eng = reqs[i]
         if phase == 0:
             eng.num_computed_tokens = c0[i] + s
             if not kv.allocate(eng, 1):
                 raise AssertionError("a planned run ran out of pages")
-        elif s < j:
+        else:
             eng.num_computed_tokens = c0[i] + s + 1
             kv.cache_full_pages(eng)
     times = run.ends[:j]

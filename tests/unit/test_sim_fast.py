@@ -188,3 +188,16 @@ def test_max_misses_is_the_exact_boundary():
         for target in (0.5, 0.9, 0.95, 0.99, 1.0):
             m = max_misses(n, target)
             assert (n - m) / n >= target and (m + 1 > n or (n - m - 1) / n < target)
+
+
+def test_decode_step_times_are_step_times_bit_for_bit():
+    rng = random.Random(7)
+    models = [LM, LatencyModel(), LatencyModel(decode=(-0.002, 0.0004, 3e-7)), LatencyModel(decode=(0.0, -1e-4, 1e-9))]
+    models += [LatencyModel(decode=(rng.uniform(-0.01, 0.03), rng.uniform(-1e-3, 1e-3), rng.uniform(-1e-6, 1e-5)))
+               for _ in range(20)]
+    for lm in models:
+        for b in (1, 2, 7, 256):
+            ctx = rng.randrange(0, 1 << 20)
+            got = lm.decode_step_times(b, ctx, 50)
+            assert got == [lm.step_time((), b, ctx + k * b) for k in range(50)]
+            assert [x.hex() for x in got] == [lm.step_time((), b, ctx + k * b).hex() for k in range(50)]
