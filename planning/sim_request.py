@@ -72,7 +72,15 @@ class SimRequest:
         if hashes is None:
             bt, keys = self.block_tokens, self.block_keys
             shared_pages = min(len(keys) * bt, self.prompt_len) // page_size
-            hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
+            if bt % page_size == 0:  # whole pages to a block: a range of values per block
+                per = bt // page_size
+                hashes = []
+                for b, key in enumerate(keys[: -(-shared_pages // per)]):
+                    base = ((key + 1) << 24) + b * per
+                    hashes += range(base, base + per)
+                del hashes[shared_pages:]
+            else:
+                hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
             own = (1 << 63) + (self.index << 24)
             hashes += range(own + shared_pages, own + self.prompt_len // page_size)
             self._hashes[page_size] = hashes

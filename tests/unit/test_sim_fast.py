@@ -201,3 +201,33 @@ def test_decode_step_times_are_step_times_bit_for_bit():
             got = lm.decode_step_times(b, ctx, 50)
             assert got == [lm.step_time((), b, ctx + k * b) for k in range(50)]
             assert [x.hex() for x in got] == [lm.step_time((), b, ctx + k * b).hex() for k in range(50)]
+
+
+def test_page_hashes_by_block_are_the_per_page_formula():
+    from planning.sim_request import SimRequest
+
+    rng = random.Random(3)
+    for bt, ps in ((64, 16), (512, 16), (48, 16), (16, 16), (40, 16)):
+        for _ in range(30):
+            keys = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 6)))
+            prompt = rng.randrange(1, len(keys) * bt + 100)
+            r = SimRequest(rng.randrange(100), 0.0, prompt, 5, keys, bt)
+            shared = min(len(keys) * bt, prompt) // ps
+            want = [((keys[((j + 1) * ps - 1) // bt] + 1) << 24) + j for j in range(shared)]
+            own = (1 << 63) + (r.index << 24)
+            want += range(own + shared, own + prompt // ps)
+            assert r.page_hashes(ps) == want
+
+
+def test_the_simulated_routers_bulk_remember_is_the_routers_remember():
+    from planning.sim_router import RouterView
+    from router.policy import WorkerView
+
+    rng = random.Random(11)
+    mine, theirs = RouterView("w", "p", "prefill"), WorkerView("w", "p", "prefill")
+    for _ in range(300):
+        keys = rng.sample(range(400), rng.randrange(0, 60))
+        cap = rng.choice((1, 50, 120, 1000))
+        mine.remember(keys, cap)
+        theirs.remember(keys, cap)
+        assert list(mine.cached) == list(theirs.cached)
