@@ -304,6 +304,9 @@ class EngineSim:
         """Apply the running step's effects; returns its end time."""
         if self.run is not None:
             return self._finish_run()
+        return self._finish_ordinary()
+
+    def _finish_ordinary(self) -> float:
         step, self.step = self.step, None
         self.last_step_start = step.start
         now = step.end
@@ -316,7 +319,7 @@ class EngineSim:
 
     def _apply(self, batch: ScheduledBatch, now: float) -> None:
         sampled = {eng: (0, None) for eng, n in zip(batch.requests, batch.num_new_tokens)
-                   if eng.num_computed_tokens + n >= eng.num_tokens}
+                   if eng.num_computed_tokens + n >= len(eng.all_token_ids)}
         for eng in self.scheduler.update(batch, sampled):
             req = self._requests[eng.request_id]
             generated = req.generated = req.generated + 1
@@ -351,6 +354,9 @@ class EngineSim:
         run = self.run
         self._run_backoff = 0
         self._run_len = min(MAX_RUN, 2 * len(run.ends))
+        if run.last_ordinary:  # its last step samples a last token: the ordinary way, now
+            apply_run(self, len(run.ends) - 1, True, notify=False)
+            return self._finish_ordinary()
         apply_run(self, len(run.ends), False)
         return run.ends[-1]
 

@@ -46,6 +46,7 @@ class _Run:
     c0: list            # their computed tokens when the run began
     first_page: list    # per request: the first step whose token needs a new page (then every page_size)
     page_size: int
+    last_ordinary: bool = False  # its last step samples a request's last token: applied the ordinary way
     _allocs: tuple = (-1, 0)  # (step, pages taken by the steps up to it): the last `allocs` answer
 
     def started(self, t: float) -> int:
@@ -77,7 +78,7 @@ def plan_run(w: EngineSim, now: float) -> float | None:
     if not b or b > sched.max_num_batched_tokens:
         return None
     sims = []
-    m = w._run_len
+    fin = w._run_len  # the first step that samples a request's last token (or the most to plan)
     requests = w._requests
     for eng in reqs:
         computed = eng.num_computed_tokens
@@ -86,10 +87,12 @@ def plan_run(w: EngineSim, now: float) -> float | None:
         if (computed != len(eng.all_token_ids) - 1 or computed < eng.num_prompt_tokens or sim.generated < 1
                 or sim.cached < 0 or eng.detokenizer is not None or p.stop_token_ids or not p.ignore_eos):
             return None
-        # the last step that samples no final token: a finishing step goes the ordinary way
-        m = min(m, p.max_tokens - eng.num_output_tokens - 1, eng.max_total_tokens - computed - 2,
-                sim.output_len - sim.generated - 1)
+        fin = min(fin, p.max_tokens - eng.num_output_tokens - 1, eng.max_total_tokens - computed - 2,
+                  sim.output_len - sim.generated - 1)
         sims.append(sim)
+    # a step that samples a last token ends the run, and is applied the ordinary way at its end
+    # (the owner hears of the request then, as on the step-by-step path)
+    m = min(w._run_len, fin + 1)
     if m < 2:
         return None
     ps = w.kv.page_size
@@ -121,7 +124,7 @@ def plan_run(w: EngineSim, now: float) -> float | None:
         durs = [d * f for d in durs]
     ends = list(accumulate(durs, initial=now))
     del ends[0]
-    w.run = _Run(now, ends, durs, list(reqs), sims, c0, first_page, ps)
+    w.run = _Run(now, ends, durs, list(reqs), sims, c0, first_page, ps, m == fin + 1)
     t = ends[-1]
     w.step = _Step(now, t, None, False, b)
     return t
@@ -147,9 +150,9 @@ def _events(w: EngineSim, run: _Run, n_alloc: int, j: int) -> list:
     return events
 
 
-def apply_run(w: EngineSim, j: int, running: bool) -> None:
+def apply_run(w: EngineSim, j: int, running: bool, notify: bool = True) -> None:
     """Apply the run's first `j` steps; with `running`, also schedule step j (its pages) as
-    the ordinary step in flight."""
+    the ordinary step in flight (and with `notify`, tell the owner when it ends)."""
     run, w.run = w.run, None
     kv = w.kv
     reqs, c0 = run.reqs, run.c0
@@ -189,6 +192,7 @@ def apply_run(w: EngineSim, j: int, running: bool) -> None:
         batch = ScheduledBatch(list(reqs), [1] * b, b)
         start = run.ends[j - 1] if j else run.start
         w.step = _Step(start, run.ends[j], batch, False, b)
-        w.on_step(w, run.ends[j])
+        if notify:
+            w.on_step(w, run.ends[j])
     else:
         w.step = None
