@@ -7,6 +7,9 @@
 - A full page may carry a block hash (see block_hash.py) and stays findable by it after its
   owner frees it, until it is handed out again (evicted) from the front of the free queue.
   A hit compares the page's token ids, so a hash collision can never serve wrong KV.
+- A caller whose block hashes name page contents exactly (the capacity planner's simulator
+  builds them so: equal hashes if and only if equal prefixes) may turn the token comparison
+  off (`verify_tokens=False`): pages then keep no copy of their tokens.
 - Free pages count as free whether or not they hold cached data: after every request is
   finished, `num_free_pages == num_pages`.
 - Pages never handed out are counted, not listed: the first allocation of page p extends the
@@ -24,11 +27,12 @@ class OutOfPagesError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_pages: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = True, verify_tokens: bool = True) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.enable_prefix_caching = enable_prefix_caching
+        self.verify_tokens = verify_tokens
         self.ref_counts: list[int] = []  # per page handed out so far (pages 0 .. len - 1)
         self._free_plain: list[int] = []  # freed pages holding nothing to keep, a stack
         self._free_cached: OrderedDict[int, None] = OrderedDict()
@@ -69,17 +73,17 @@ class BlockPool:
             ref_counts.extend([1] * k)
             self._page_info.extend([None] * k)
         rest = n - len(pages)
-        if rest:
+        if rest:  # evicted, least recently freed first: their cache entries go
             popitem, info, by_hash = self._free_cached.popitem, self._page_info, self._by_hash
-            for _ in range(rest):
-                page = popitem(last=False)[0]
-                entry = info[page]  # evicted: its cache entry goes
+            evicted = [popitem(False)[0] for _ in range(rest)]
+            entries = [info[page] for page in evicted]
+            for page, entry in zip(evicted, entries):
                 if entry is not None:
                     info[page] = None
                     if by_hash.get(entry[0]) == page:
                         del by_hash[entry[0]]
                 ref_counts[page] = 1
-                pages.append(page)
+            pages += evicted
         return pages
 
     def free(self, pages: Iterable[int]) -> None:
@@ -109,7 +113,7 @@ class BlockPool:
             return
         if block_hash in self._by_hash:  # same content already cached in another page
             return
-        self._page_info[page] = (block_hash, tuple(token_ids))
+        self._page_info[page] = (block_hash, tuple(token_ids) if self.verify_tokens else None)
         self._by_hash[block_hash] = page
 
     def cache_pages(self, pages: Sequence[int], hashes: Sequence[int], token_ids: Sequence[int], first: int,
@@ -119,6 +123,13 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return
         info, by_hash = self._page_info, self._by_hash
+        if not self.verify_tokens:
+            for i in range(first, end):
+                page, block_hash = pages[i], hashes[i]
+                if info[page] is None and block_hash not in by_hash:
+                    info[page] = (block_hash, None)
+                    by_hash[block_hash] = page
+            return
         tokens = None  # token_ids[first * page_size:end * page_size] as one tuple, sliced per page
         for i in range(first, end):
             page, block_hash = pages[i], hashes[i]
@@ -136,7 +147,7 @@ class BlockPool:
         if page is None:
             return None
         info = self._page_info[page]
-        if info is None or info[1] != tuple(token_ids):
+        if info is None or (self.verify_tokens and info[1] != tuple(token_ids)):
             return None
         self.hits += 1
         return page

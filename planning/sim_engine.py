@@ -130,7 +130,10 @@ class EngineSim:
         """A fresh engine, with or without the prefix cache. The owner turns it off for a
         workload without shared prefix blocks: no page can ever hit, so the cache changes no
         decision, and hashing every page of an hour's prompts is most of a simulation's time."""
-        self.kv = KVCacheManager(self.limits.num_pages, self.limits.page_size, enable_prefix_caching=enabled)
+        # the synthetic page hashes name page contents exactly (SimRequest.page_hashes): the pool
+        # need keep no copy of each page's tokens to check a hit against
+        self.kv = KVCacheManager(self.limits.num_pages, self.limits.page_size, enable_prefix_caching=enabled,
+                                 verify_tokens=False)
         self.scheduler = Scheduler(self.kv, self.limits.max_num_batched_tokens, self.limits.max_num_seqs,
                                    _TransferHold())
         self._requests.clear()
@@ -209,7 +212,7 @@ class EngineSim:
     def add(self, req: SimRequest) -> None:
         """Queue a request whose prompt is computed here (a prefill worker's runs to its first
         token and then holds its pages until `release_held`)."""
-        self.sync()
+        self.end_run()
         self.scheduler.add(self._engine_request(req))
 
     def reserve(self, req: SimRequest, reserve_pages: int = 0) -> bool:
@@ -228,7 +231,7 @@ class EngineSim:
     def join(self, req: SimRequest) -> None:
         """The reserved request's KV arrived, with its first token sampled elsewhere: it joins
         the batch at the next step with a free sequence slot."""
-        self.sync()
+        self.end_run()
         self.scheduler.kv_received(self._engine[req.index], 0)
 
     def drop(self, req: SimRequest) -> None:
@@ -261,14 +264,16 @@ class EngineSim:
         `fast` on, the end of a run of decode steps planned at once: `_plan_run`)."""
         if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
             return None  # (finishing: called back from inside finish_step; its owner starts the next)
+        batch = None
         if self.fast and self.slowdown is None:
             if self._run_skip:  # recent runs were cut at once (a join or an admission every step)
                 self._run_skip -= 1
             else:
-                end = plan_run(self, now)
+                end, batch = plan_run(self, now)
                 if end is not None:
                     return end
-        batch = self.scheduler.schedule()
+        if batch is None:
+            batch = self.scheduler.schedule()
         for eng in batch.preempted:
             self._requests[eng.request_id].preemptions += 1
         if batch.empty:
@@ -342,13 +347,33 @@ class EngineSim:
         run = self.run
         if run is not None:
             j = run.started(self.clock()) - 1
-            if j < 2:
-                self._run_backoff = min(2 * self._run_backoff + 1, 32)
-                self._run_skip = self._run_backoff
-            else:
-                self._run_backoff = 0
-            self._run_len = max(8, 2 * (j + 1))
+            self._adapt(j)
             apply_run(self, j, True)
+
+    def end_run(self) -> None:
+        """Something reaches this worker now that only changes its next batch (a request to
+        admit or one whose KV arrived): a run ends with its step in flight (`on_step` is told
+        its end), where the step-by-step path would next call the scheduler. Nothing is applied
+        yet: the run's steps are applied together when it ends."""
+        run = self.run
+        if run is not None:
+            k = run.started(self.clock())
+            self._adapt(k - 1)
+            if k < len(run.ends):
+                del run.ends[k:]
+                del run.durs[k:]
+                run.last_ordinary = False
+                self.step = _Step(run.start, run.ends[-1], None, False, len(run.reqs))
+                self.on_step(self, run.ends[-1])
+
+    def _adapt(self, j: int) -> None:
+        """Plan the next run from how many steps this one ran before something reached it."""
+        if j < 2:
+            self._run_backoff = min(2 * self._run_backoff + 1, 32)
+            self._run_skip = self._run_backoff
+        else:
+            self._run_backoff = 0
+        self._run_len = max(8, 2 * (j + 1))
 
     def _finish_run(self) -> float:
         run = self.run

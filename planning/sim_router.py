@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain, repeat, starmap
 
 from loadgen.workloads import Workload
 from planning.sim_engine import EngineSim
@@ -26,10 +26,8 @@ class RouterView(WorkerView):
         deque(map(cached.pop, hashes, repeat(None)), maxlen=0)  # a known key moves to the end
         cached.update(zip(hashes, repeat(None)))
         over = len(cached) - capacity
-        if over > 0:
-            popitem = cached.popitem
-            for _ in range(over):
-                popitem(last=False)
+        if over > 0:  # the least recently remembered go
+            deque(starmap(cached.popitem, repeat((False,), over)), maxlen=0)
 
 
 class SimLoad:

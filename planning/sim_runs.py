@@ -61,22 +61,33 @@ class _Run:
         return self._allocs[1]
 
 
-def plan_run(w: EngineSim, now: float) -> float | None:
+def plan_run(w: EngineSim, now: float) -> tuple[float | None, ScheduledBatch | None]:
     """Plan the steps from `now` on as one run when every running request decodes (one token
-    each, all in one batch), nothing waits to be admitted or to join, and at least two steps
-    pass before a request finishes or pages run out. Returns the run's end, or None for a
-    single ordinary step. Exactness: the step-by-step path would schedule exactly these
-    batches (the scheduler's inputs change only through this worker's methods, each of which
-    calls `sync` first, or through a step that samples a first or last token, which ends the
-    run), and its step times are the same function of the same batch, summed in the same
-    order."""
+    each, all in one batch), nothing waits to be admitted, and at least two steps pass before
+    pages run out; the step that samples a request's last token is the run's last. Requests
+    whose KV arrived join first: the scheduler builds the run's first step (`schedule`), and
+    when that is such a batch the run starts with it. Returns (the run's end, None), or (None,
+    the batch the scheduler built, if it did) for a single ordinary step. Exactness: the
+    step-by-step path would schedule exactly these batches (the scheduler's inputs change only
+    through this worker's methods, each of which calls `sync` first, or through a step that
+    samples a first or last token, which ends the run), and its step times are the same
+    function of the same batch, summed in the same order."""
     sched = w.scheduler
-    if sched.waiting or sched.ready:
-        return None
+    if sched.waiting:
+        return None, None
+    first = None
+    if sched.ready:  # they join in this step, if every one has a sequence slot
+        if len(sched.running) + len(sched.ready) > sched.max_num_seqs:
+            return None, None
+        first = sched.schedule()
+        if (first.preempted or first.failed or first.saving or sched.ready or sched.waiting
+                or first.num_decodes != len(first.requests) or len(first.requests) != len(sched.running)
+                or any(r.status.finished for r in first.joined)):
+            return None, first
     reqs = sched.running
     b = len(reqs)
     if not b or b > sched.max_num_batched_tokens:
-        return None
+        return None, first
     sims = []
     fin = w._run_len  # the first step that samples a request's last token (or the most to plan)
     requests = w._requests
@@ -86,20 +97,20 @@ def plan_run(w: EngineSim, now: float) -> float | None:
         p = eng.params
         if (computed != len(eng.all_token_ids) - 1 or computed < eng.num_prompt_tokens or sim.generated < 1
                 or sim.cached < 0 or eng.detokenizer is not None or p.stop_token_ids or not p.ignore_eos):
-            return None
+            return None, first
         fin = min(fin, p.max_tokens - eng.num_output_tokens - 1, eng.max_total_tokens - computed - 2,
                   sim.output_len - sim.generated - 1)
         sims.append(sim)
+    if fin < 2:  # at least two steps before a request's last
+        return None, first
     # a step that samples a last token ends the run, and is applied the ordinary way at its end
     # (the owner hears of the request then, as on the step-by-step path)
     m = min(w._run_len, fin + 1)
-    if m < 2:
-        return None
     ps = w.kv.page_size
     c0 = [eng.num_computed_tokens for eng in reqs]
     first_page = [len(eng.pages) * ps - c for eng, c in zip(reqs, c0)]
     if min(first_page) < 0:
-        return None
+        return None, first
     free = w.kv.num_free_pages
     if sum((m - 1 - s) // ps + 1 for s in first_page if s < m) > free:
         # pages run out within the run: it stops before the step that would preempt
@@ -114,7 +125,7 @@ def plan_run(w: EngineSim, now: float) -> float | None:
                 m = s
                 break
         if m < 2:
-            return None
+            return None, first
     durs = w.latency.decode_step_times(b, sum(c0) + b, m)
     if w.load_per_stream and b > 1:  # the load terms of EngineSim._duration, in its order
         f = 1.0 + w.load_per_stream * (b - 1)
@@ -127,7 +138,7 @@ def plan_run(w: EngineSim, now: float) -> float | None:
     w.run = _Run(now, ends, durs, list(reqs), sims, c0, first_page, ps, m == fin + 1)
     t = ends[-1]
     w.step = _Step(now, t, None, False, b)
-    return t
+    return t, None
 
 
 def _events(w: EngineSim, run: _Run, n_alloc: int, j: int) -> list:

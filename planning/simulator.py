@@ -110,8 +110,9 @@ class Simulator:
         return self.now
 
     def _on_step(self, worker: EngineSim, end: float) -> None:
-        """A worker's run of decode steps was cut short: its step in flight ends at `end`."""
-        self._push(end, 1, self._view[worker])
+        """A worker's run of decode steps was cut short: its step in flight ends at `end` (unless
+        the run is cut again before: the event names the step)."""
+        self._push(end, 5, (self._view[worker], worker.step))
 
     def run(self, workload: Workload, max_concurrency: int | None = None,
             stop_after_misses: tuple[dict[str, float], int] | None = None) -> SimResult:
@@ -175,7 +176,7 @@ class Simulator:
                 self._kv_done(obj, now)
             elif kind == 4:
                 if obj.worker.run is not None:  # (a run: its step in flight is the next step boundary)
-                    obj.worker.sync()
+                    obj.worker.end_run()
                 if not obj.worker.busy:
                     self._admit_queued_pages(obj, now)
             else:
