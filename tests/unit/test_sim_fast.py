@@ -231,3 +231,30 @@ def test_the_simulated_routers_bulk_remember_is_the_routers_remember():
         mine.remember(keys, cap)
         theirs.remember(keys, cap)
         assert list(mine.cached) == list(theirs.cached)
+
+
+def test_joins_and_last_tokens_inside_runs_are_identical_to_exact_steps():
+    """A decode worker with long streams: a request whose KV arrives ends the run with its step
+    in flight (nothing applied until then), joins at the first step of the next run (built by
+    the scheduler), and the step that samples a stream's last token closes a run; the records,
+    steps and batches are the exact path's, and the decode worker's scheduler builds little
+    more than one batch per join and per finish."""
+    c = SimCluster([SimPool("p", "prefill", 1, LM, BIG), SimPool("d", "decode", 1, LM, BIG)],
+                   max_inflight=1 << 20, max_queue=1 << 20)
+    w = poisson(120, 3.0, (32, 400), (150, 400), seed=8)
+    ended = []
+    real_end = EngineSim.end_run
+
+    def counting(self):
+        if self.run is not None:
+            ended.append(self.name)
+        real_end(self)
+
+    EngineSim.end_run = counting
+    try:
+        assert_same(c, w, min_saved=0.7)
+    finally:
+        EngineSim.end_run = real_end
+    assert ended.count("d-0") > 50  # joins landed inside runs
+    _, _, batches = run(c, w, False)
+    assert len(batches["d-0"]) <= 2.5 * len(w.requests)
