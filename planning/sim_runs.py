@@ -63,8 +63,8 @@ class _Run:
 
 def plan_run(w: EngineSim, now: float) -> tuple[float | None, ScheduledBatch | None]:
     """Plan the steps from `now` on as one run when every running request decodes (one token
-    each, all in one batch), nothing waits to be admitted, and at least two steps pass before
-    pages run out; the step that samples a request's last token is the run's last. Requests
+    each, all in one batch), nothing waits to be admitted (or every sequence slot is taken), and
+    at least two steps pass before pages run out; the step that samples a request's last token is the run's last. Requests
     whose KV arrived join first: the scheduler builds the run's first step (`schedule`), and
     when that is such a batch the run starts with it. Returns (the run's end, None), or (None,
     the batch the scheduler built, if it did) for a single ordinary step. Exactness: the
@@ -73,14 +73,15 @@ def plan_run(w: EngineSim, now: float) -> tuple[float | None, ScheduledBatch | N
     samples a first or last token, which ends the run), and its step times are the same
     function of the same batch, summed in the same order."""
     sched = w.scheduler
-    if sched.waiting:
+    seqs = sched.max_num_seqs
+    # with every sequence slot taken, nothing joins or is admitted before a request finishes
+    if sched.waiting and len(sched.running) < seqs:
         return None, None
     first = None
-    if sched.ready:  # they join in this step, if every one has a sequence slot
-        if len(sched.running) + len(sched.ready) > sched.max_num_seqs:
-            return None, None
+    if sched.ready and len(sched.running) < seqs:  # they join in this step, while slots last
         first = sched.schedule()
-        if (first.preempted or first.failed or first.saving or sched.ready or sched.waiting
+        if (first.preempted or first.failed or first.saving
+                or ((sched.ready or sched.waiting) and len(sched.running) < seqs)
                 or first.num_decodes != len(first.requests) or len(first.requests) != len(sched.running)
                 or any(r.status.finished for r in first.joined)):
             return None, first

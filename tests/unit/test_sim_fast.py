@@ -258,3 +258,14 @@ def test_joins_and_last_tokens_inside_runs_are_identical_to_exact_steps():
     assert ended.count("d-0") > 50  # joins landed inside runs
     _, _, batches = run(c, w, False)
     assert len(batches["d-0"]) <= 2.5 * len(w.requests)
+
+
+def test_runs_with_every_sequence_slot_taken_and_requests_waiting_are_identical():
+    """Decode and colocated workers whose sequence slots are all taken, with requests ready to
+    join or waiting: nothing can change the batch before a request finishes, so runs go on."""
+    slots = EngineLimits(page_size=16, num_pages=1 << 16, max_num_batched_tokens=512, max_num_seqs=6)
+    c = SimCluster([SimPool("p", "prefill", 1, LM, BIG), SimPool("d", "decode", 1, LM, slots)],
+                   max_inflight=1 << 20, max_queue=1 << 20)
+    assert_same(c, poisson(150, 6.0, (32, 300), (20, 200), seed=9), min_saved=0.5)
+    c = SimCluster([SimPool("c", "colocated", 1, LM, slots)], max_inflight=1 << 20, max_queue=1 << 20)
+    assert_same(c, poisson(150, 6.0, (32, 300), (20, 200), seed=10), min_saved=0.5)
