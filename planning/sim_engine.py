@@ -35,7 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from planning.latency import LatencyModel
 from planning.sim_request import EngineLimits, SimRequest
-from planning.sim_runs import MAX_RUN, _Run, _Step, apply_run, plan_run
+from planning.sim_runs import MAX_RUN, DecodeRuns, _Run, _Step
 
 __all__ = ["EngineLimits", "EngineSim", "SimRequest"]
 
@@ -84,7 +84,7 @@ class _TransferHold(KVConnector):
         pass
 
 
-class EngineSim:
+class EngineSim(DecodeRuns):
     """A worker's engine. `on_sampled(worker, request, now)` is called when a request samples
     its first token here (from its prompt) or its last (`output_len` reached), after the step's
     bookkeeping. Tokens in between only append to `token_times`: a simulated hour samples
@@ -106,7 +106,7 @@ class EngineSim:
         # x (1 + this) on a step that only decodes: what a lone stream pays under that load
         self.load_base = 0.0
         self.step: _Step | None = None
-        # Runs of decode steps (`_plan_run`): on unless the owner asks for the exact step-by-step
+        # Runs of decode steps (sim_runs.DecodeRuns): on unless the owner asks for the exact step-by-step
         # path. `clock()` is the owner's simulated time (what a run's state is read at).
         self.fast = True
         self.clock: Callable[[], float] = lambda: 0.0
@@ -261,7 +261,7 @@ class EngineSim:
 
     def start_step(self, now: float) -> float | None:
         """Schedule a step if there is work and none is running; returns its end time (with
-        `fast` on, the end of a run of decode steps planned at once: `_plan_run`)."""
+        `fast` on, the end of a run of decode steps planned at once: DecodeRuns._plan_run)."""
         if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
             return None  # (finishing: called back from inside finish_step; its owner starts the next)
         batch = None
@@ -269,7 +269,7 @@ class EngineSim:
             if self._run_skip:  # recent runs were cut at once (a join or an admission every step)
                 self._run_skip -= 1
             else:
-                end, batch = plan_run(self, now)
+                end, batch = self._plan_run(now)
                 if end is not None:
                     return end
         if batch is None:
@@ -348,7 +348,7 @@ class EngineSim:
         if run is not None:
             j = run.started(self.clock()) - 1
             self._adapt(j)
-            apply_run(self, j, True)
+            self._apply_run(j, True)
 
     def end_run(self) -> None:
         """Something reaches this worker now that only changes its next batch (a request to
@@ -380,9 +380,9 @@ class EngineSim:
         self._run_backoff = 0
         self._run_len = min(MAX_RUN, 2 * len(run.ends))
         if run.last_ordinary:  # its last step samples a last token: the ordinary way, now
-            apply_run(self, len(run.ends) - 1, True, notify=False)
+            self._apply_run(len(run.ends) - 1, True, notify=False)
             return self._finish_ordinary()
-        apply_run(self, len(run.ends), False)
+        self._apply_run(len(run.ends), False)
         return run.ends[-1]
 
     # ---- engine requests --------------------------------------------------------------------

@@ -54,7 +54,7 @@ class _Stopped(Exception):
 
 class Simulator:
     """`exact_steps`: every decode step its own event, as before runs of decode steps were
-    planned at once (EngineSim._plan_run); the two give identical records, this one slower."""
+    planned at once (sim_runs.DecodeRuns); the two give identical records, this one slower."""
 
     def __init__(self, cluster: SimCluster, exact_steps: bool = False) -> None:
         self.cluster = cluster
