@@ -20,11 +20,16 @@ def hash_page(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] = ()) -> list[int]:
-    """Hashes of every full page of `token_ids`; `start` holds already-known leading hashes."""
+def page_hashes(token_ids: Sequence[int], page_size: int, start: Sequence[int] = (),
+                num_pages: int | None = None) -> list[int]:
+    """Hashes of every full page of `token_ids` (of its first `num_pages` pages, if given);
+    `start` holds already-known leading hashes."""
     hashes = list(start)
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), len(token_ids) // page_size):
+    end = len(token_ids) // page_size
+    if num_pages is not None and num_pages < end:
+        end = num_pages
+    for i in range(len(hashes), end):
         parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size])
         hashes.append(parent)
     return hashes

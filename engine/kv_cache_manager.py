@@ -25,9 +25,10 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 verify_tokens: bool = True) -> None:
         self.page_size = page_size
-        self.pool = BlockPool(num_pages, enable_prefix_caching)
+        self.pool = BlockPool(num_pages, enable_prefix_caching, verify_tokens)
 
     @property
     def num_pages(self) -> int:
@@ -49,8 +50,9 @@ class KVCacheManager:
         seq.block_hashes = page_hashes(tokens, self.page_size, seq.block_hashes)
         max_pages = (len(tokens) - 1) // self.page_size
         hits: list[int] = []
+        verify = self.pool.verify_tokens
         for i, block_hash in enumerate(seq.block_hashes[:max_pages]):
-            page = self.pool.lookup(block_hash, tokens[i * self.page_size : (i + 1) * self.page_size])
+            page = self.pool.lookup(block_hash, tokens[i * self.page_size : (i + 1) * self.page_size] if verify else ())
             if page is None:
                 break
             hits.append(page)
@@ -90,7 +92,7 @@ class KVCacheManager:
         ps = self.page_size
         tokens = seq.all_token_ids
         if len(seq.block_hashes) < full:
-            seq.block_hashes = page_hashes(tokens[: full * ps], ps, seq.block_hashes)
+            seq.block_hashes = page_hashes(tokens, ps, seq.block_hashes, full)  # (no copy of the tokens)
         self.pool.cache_pages(seq.pages, seq.block_hashes, tokens, done, full, ps)
         seq.num_cached_pages_registered = full
 

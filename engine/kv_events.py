@@ -73,8 +73,8 @@ class KVEventLog:
     def stored(self, block_hashes: Iterable[int]) -> None:
         self._record(STORED, block_hashes)
 
-    def evicted(self, block_hash: int) -> None:
-        self._record(EVICTED, (block_hash,))
+    def evicted(self, *block_hashes: int) -> None:
+        self._record(EVICTED, block_hashes)
 
     def cleared(self) -> None:
         self._record(CLEARED, ())

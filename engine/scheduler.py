@@ -171,27 +171,29 @@ class Scheduler:
         allocate = self.kv.allocate
         running = self.running
 
+        page_size = self.kv.page_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
             if n > budget:
                 n = budget
-            while not allocate(req, n):
-                victim = running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
+            # most steps a request's pages already hold its new tokens: no call to allocate
+            if -(-(computed + n) // page_size) > len(req.pages) and not allocate(req, n):
+                while True:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is req or allocate(req, n):
+                        break
                 if victim is req:
-                    break
-            else:
-                (decodes if n == 1 else others).append((req, n))
-                budget -= n
-                i += 1
-                continue
-            break  # req itself was preempted: every request after it is gone too
+                    break  # req itself was preempted: every request after it is gone too
+            (decodes if n == 1 else others).append((req, n))
+            budget -= n
+            i += 1
 
         if not batch.preempted:
-            page_size = self.kv.page_size
             while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = self.waiting[0]
                 cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
@@ -254,11 +256,13 @@ class Scheduler:
         ended while the step ran (a send that failed at its finish) is skipped."""
         changed = []
         cache_full_pages = self.kv.cache_full_pages
+        caching, page_size = self.kv.pool.enable_prefix_caching, self.kv.page_size
         for req, n in zip(batch.requests, batch.num_new_tokens):
             if req.status >= _FINISHED:
                 continue
-            req.num_computed_tokens += n
-            cache_full_pages(req)
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if caching and computed // page_size > req.num_cached_pages_registered:  # a page filled
+                cache_full_pages(req)
             out = sampled.get(req)
             if out is not None:
                 req.append_token(out[0], out[1])

@@ -94,6 +94,17 @@ class LatencyModel:
             var += d1 * num_decodes + d2 * decode_context
         return max(fixed + var, 0.0)
 
+    def decode_step_times(self, num_decodes: int, first_context: int, steps: int) -> list[float]:
+        """`step_time((), num_decodes, first_context + k * num_decodes)` for k in range(steps), the
+        same floats in one pass (a run of decode steps: the batch grows one token a sequence a step)."""
+        d0, d1, d2 = self.decode
+        if num_decodes <= 0:
+            return [0.0] * steps
+        fixed = max(0.0, d0)
+        d1b = d1 * num_decodes
+        return [max(fixed + (0.0 + (d1b + d2 * c)), 0.0)
+                for c in range(first_context, first_context + steps * num_decodes, num_decodes)]
+
     def transfer_time(self, nbytes: int, transport: str | None = None) -> float:
         x0, bw = self.transfers.get(transport, (self.transfer_overhead_s, self.transfer_bytes_per_s)) \
             if transport else (self.transfer_overhead_s, self.transfer_bytes_per_s)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from loadgen.metrics import meets_slo
 from loadgen.workloads import Workload
 from planning.latency import LatencyModel
-from planning.sim_engine import EngineLimits
+from planning.sim_request import EngineLimits
 from planning.sim_spec import SimCluster, SimPool
 from planning.simulator import simulate
 

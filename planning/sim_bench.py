@@ -1,7 +1,7 @@
 """Simulator speed: an hour of a trace on 2 prefill + 2 decode Llama-3-8B/H100 workers (30,000
 pages each), the setup docs/capacity-planning.md times. Prints the wall time and a digest of
 the per-request records, so two simulators (or --exact-steps against the default) can be
-compared on both speed and output:
+compared on both speed and output (the CPU time is the steadier figure on a shared machine):
 
     python -m planning.sim_bench --dataset azure-conv [--exact-steps] [--num-requests N]
 """
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadgen.workloads import build_workload
     from planning.hardware import get_gpu
     from planning.roofline import model_shape, roofline_latency_model
-    from planning.sim_engine import EngineLimits
+    from planning.sim_request import EngineLimits
     from planning.sim_spec import SimCluster, SimPool
     from planning.simulator import simulate
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"num_requests": args.num_requests} if args.num_requests else {}
     w = build_workload(args.dataset, **kw)
     extra = {"exact_steps": True} if args.exact_steps else {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if args.profile:
         import cProfile
         import pstats
@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     else:
         res = simulate(c, w, **extra)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     digest = hashlib.sha256(repr([(r.index, r.ok, r.ttft_s, r.chunk_times_s) for r in res.records]).encode())
     steps = sum(x["steps"] for x in res.workers.values())
     print(f"{args.dataset}: {len(w.requests)} requests, {res.duration_s:.0f} s simulated, {steps} steps, "
-          f"wall {wall:.2f} s{' (exact steps)' if args.exact_steps else ''}; records {digest.hexdigest()[:16]}")
+          f"wall {wall:.2f} s, cpu {cpu:.2f} s{' (exact steps)' if args.exact_steps else ''}; records {digest.hexdigest()[:16]}")
     return 0
 
 

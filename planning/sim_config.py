@@ -17,7 +17,7 @@ from cluster.config import ClusterConfig, PoolConfig
 from planning.hardware import GPUSpec, get_gpu
 from planning.latency import LatencyModel
 from planning.roofline import ModelShape, kv_bytes_per_token, roofline_latency_model, weight_bytes
-from planning.sim_engine import EngineLimits
+from planning.sim_request import EngineLimits
 from planning.sim_spec import SimCluster, SimPool
 
 DEFAULT_MAX_MODEL_LEN = 8192

@@ -7,13 +7,13 @@ continuous batching, chunked prefill, the page budget, preemption by recompute, 
 cache (with its LRU eviction), remote-KV joins and pages held for a transfer behave in the
 simulation as they do when serving, and a scheduler change reaches both at once.
 
-Each simulated request (`SimRequest`, the cluster-wide record: arrival, placement, token times)
-becomes an engine `Request` on every worker that holds it, with synthetic token ids: a shared
-prefix block's tokens are derived from its chained key, so prompts that share blocks share
-pages and hash to the same prefix-cache entries, and every other token is unique to its
-request. A prefill worker's requests run to their first token and carry a destination, so the
-scheduler holds their pages after they finish until the simulator's transfer ends
-(`release_held`), through the engine's own KV connector contract (`_TransferHold`).
+Each simulated request (`SimRequest`, sim_request.py: the cluster-wide record of arrival,
+placement, token times) becomes an engine `Request` on every worker that holds it, with
+synthetic token ids. A prefill worker's requests run to their first token and carry a
+destination, so the scheduler holds their pages after they finish until the simulator's
+transfer ends (`release_held`), through the engine's own KV connector contract
+(`_TransferHold`). Runs of decode steps planned at once (sim_runs.py) make it faster, never
+different.
 
 The step time is the pool's `LatencyModel.step_time` for the batch's prefill chunks (new tokens,
 cached or computed prefix) and decode count and context, times `1 + load_base` for a step that
@@ -26,9 +26,7 @@ the `on_sampled` callback's business.
 """
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, KVEvent
@@ -36,97 +34,12 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from planning.latency import LatencyModel
+from planning.sim_request import EngineLimits, SimRequest
+from planning.sim_runs import MAX_RUN, DecodeRuns, _Run, _Step
 
-_PRIVATE = 1 << 40   # token ids of a request's unshared tokens start here (shared ones stay below)
+__all__ = ["EngineLimits", "EngineSim", "SimRequest"]
+
 _SENT = ("sim",)     # a prefill request's destination: the simulator moves its KV
-
-
-@dataclass(slots=True, eq=False)
-class SimRequest:
-    index: int
-    arrival: float
-    prompt_len: int
-    output_len: int
-    block_keys: tuple = ()       # chained keys of the shared prefix blocks, in order
-    block_tokens: int = 0        # tokens per shared block
-    generated: int = 0           # tokens sampled so far, on whichever worker
-    cached: int = -1             # prompt tokens served by the prefix cache (first admission)
-    # where and when (absolute simulated seconds)
-    token_times: list = field(default_factory=list)
-    admitted: float = -1.0
-    prefill_start: float = -1.0
-    first_token: float = -1.0
-    kv_done: float = -1.0
-    finished: float = -1.0
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    local_prefill: bool = False
-    error: str = ""
-    preemptions: int = 0
-    scheduled: float = 0.0       # the workload's arrival (the send may wait for a client slot)
-    dest_pages: int = 0          # pages reserved on the decode worker while the prefill runs
-    kv_bytes: int = 0
-    page_keys: tuple = ()        # the router's hashes of its shared full pages (prefix-aware placement)
-    _prompt: list | None = None  # token ids, made once for all the workers that hold it
-    _hashes: dict = field(default_factory=dict)  # page size -> the prompt's chained page hashes
-
-    def token_ids(self) -> list[int]:
-        """The prompt as token ids: each shared block's from its key, the rest unique to it."""
-        if self._prompt is None:
-            ids: list[int] = []
-            for key in self.block_keys:
-                base = (key + 1) * self.block_tokens
-                ids.extend(range(base, base + self.block_tokens))
-            ids = ids[: self.prompt_len]
-            ids.extend([_PRIVATE + self.index] * (self.prompt_len - len(ids)))
-            self._prompt = ids
-        return self._prompt
-
-    def page_hashes(self, page_size: int) -> list[int]:
-        """The prompt's chained page hashes, once per page size (the prefill and the decode worker
-        would each hash their own copy, to the same values). A hash only has to name a page's
-        content and everything before it: for a page within the shared blocks that is the
-        chained key of the block holding its last token (which names every block before it)
-        and the page's position, so it gets the value ((key + 1) << 24) + page, equal for equal
-        prefixes and different otherwise, as the engine's blake2b hashes are (engine.block_hash;
-        hashing 145 M prompt tokens' pages with it was a fifth of a Mooncake hour's simulation).
-        A page with any token of this request's own can never match another request's, so it
-        gets a value unique to the request, (1 << 63) + (index << 24) + page, apart from the
-        shared ones (below 2**63). All stay below 2**64: the scheduler hashes output pages with
-        the engine's own function, chained from these, and that takes a 64-bit parent (the
-        earlier (2**40 + index) << 24 overflowed it as soon as a prompt with a private tail
-        decoded past a page on a worker with the prefix cache on)."""
-        hashes = self._hashes.get(page_size)
-        if hashes is None:
-            bt, keys = self.block_tokens, self.block_keys
-            shared_pages = min(len(keys) * bt, self.prompt_len) // page_size
-            hashes = [((keys[((j + 1) * page_size - 1) // bt] + 1) << 24) + j for j in range(shared_pages)]
-            own = (1 << 63) + (self.index << 24)
-            hashes += range(own + shared_pages, own + self.prompt_len // page_size)
-            self._hashes[page_size] = hashes
-        return hashes
-
-    def forget_prompt(self) -> None:
-        """Drop the token ids and hashes once no worker needs them (an hour of long prompts would
-        otherwise keep gigabytes of them)."""
-        self._prompt = None
-        self._hashes = {}
-
-
-@dataclass(slots=True)
-class EngineLimits:
-    page_size: int = 16
-    num_pages: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
 
 
 class _TransferHold(KVConnector):
@@ -171,40 +84,7 @@ class _TransferHold(KVConnector):
         pass
 
 
-@dataclass(slots=True)
-class _Step:
-    start: float
-    end: float
-    batch: ScheduledBatch
-    prefills: bool = False  # any prompt tokens in it (what slows a neighbour down)
-    decodes: int = 0        # sequences decoding in it (what slows a neighbour down under load)
-
-
-MAX_RUN = 512  # decode steps planned at once (a run cut short wastes its planning)
-
-
-@dataclass(slots=True, eq=False)
-class _Run:
-    """Decode steps planned at once: the batch cannot change before one of its requests
-    finishes or something from outside reaches the worker, so each step's batch and time are
-    known in advance. Nothing is applied to the engine until the run ends or is interrupted
-    (`EngineSim.sync`); then every page the steps took and registered is taken and registered
-    through the KV manager's own calls, in the order the step-by-step path makes them."""
-    start: float
-    ends: list          # end time of each step
-    durs: list          # each step's time
-    reqs: list          # the running engine requests, in batch order
-    sims: list          # their SimRequests
-    c0: list            # their computed tokens when the run began
-    events: list        # (step, 0 = take a page | 1 = register full pages, request position), in order
-    allocs_by_step: list  # pages taken by the steps up to and including each
-
-    def started(self, t: float) -> int:
-        """Steps started by time `t` (steps ending before `t` are done, the next one is running)."""
-        return min(bisect.bisect_left(self.ends, t) + 1, len(self.ends))
-
-
-class EngineSim:
+class EngineSim(DecodeRuns):
     """A worker's engine. `on_sampled(worker, request, now)` is called when a request samples
     its first token here (from its prompt) or its last (`output_len` reached), after the step's
     bookkeeping. Tokens in between only append to `token_times`: a simulated hour samples
@@ -226,7 +106,7 @@ class EngineSim:
         # x (1 + this) on a step that only decodes: what a lone stream pays under that load
         self.load_base = 0.0
         self.step: _Step | None = None
-        # Runs of decode steps (`_plan_run`): on unless the owner asks for the exact step-by-step
+        # Runs of decode steps (sim_runs.DecodeRuns): on unless the owner asks for the exact step-by-step
         # path. `clock()` is the owner's simulated time (what a run's state is read at).
         self.fast = True
         self.clock: Callable[[], float] = lambda: 0.0
@@ -250,7 +130,10 @@ class EngineSim:
         """A fresh engine, with or without the prefix cache. The owner turns it off for a
         workload without shared prefix blocks: no page can ever hit, so the cache changes no
         decision, and hashing every page of an hour's prompts is most of a simulation's time."""
-        self.kv = KVCacheManager(self.limits.num_pages, self.limits.page_size, enable_prefix_caching=enabled)
+        # the synthetic page hashes name page contents exactly (SimRequest.page_hashes): the pool
+        # need keep no copy of each page's tokens to check a hit against
+        self.kv = KVCacheManager(self.limits.num_pages, self.limits.page_size, enable_prefix_caching=enabled,
+                                 verify_tokens=False)
         self.scheduler = Scheduler(self.kv, self.limits.max_num_batched_tokens, self.limits.max_num_seqs,
                                    _TransferHold())
         self._requests.clear()
@@ -268,7 +151,7 @@ class EngineSim:
             return self.kv.num_free_pages
         # a planned run's pages as the step-by-step path would have them now: every page taken
         # by the steps started so far (pages are taken when a step is scheduled, none given back)
-        return self.kv.num_free_pages - run.allocs_by_step[run.started(self.clock()) - 1]
+        return self.kv.num_free_pages - run.allocs(run.started(self.clock()) - 1)
 
     @property
     def preemptions(self) -> int:
@@ -329,7 +212,7 @@ class EngineSim:
     def add(self, req: SimRequest) -> None:
         """Queue a request whose prompt is computed here (a prefill worker's runs to its first
         token and then holds its pages until `release_held`)."""
-        self.sync()
+        self.end_run()
         self.scheduler.add(self._engine_request(req))
 
     def reserve(self, req: SimRequest, reserve_pages: int = 0) -> bool:
@@ -348,7 +231,7 @@ class EngineSim:
     def join(self, req: SimRequest) -> None:
         """The reserved request's KV arrived, with its first token sampled elsewhere: it joins
         the batch at the next step with a free sequence slot."""
-        self.sync()
+        self.end_run()
         self.scheduler.kv_received(self._engine[req.index], 0)
 
     def drop(self, req: SimRequest) -> None:
@@ -378,17 +261,19 @@ class EngineSim:
 
     def start_step(self, now: float) -> float | None:
         """Schedule a step if there is work and none is running; returns its end time (with
-        `fast` on, the end of a run of decode steps planned at once: `_plan_run`)."""
+        `fast` on, the end of a run of decode steps planned at once: DecodeRuns._plan_run)."""
         if self.finishing or self.step is not None or not self.scheduler.has_unfinished:
             return None  # (finishing: called back from inside finish_step; its owner starts the next)
+        batch = None
         if self.fast and self.slowdown is None:
             if self._run_skip:  # recent runs were cut at once (a join or an admission every step)
                 self._run_skip -= 1
             else:
-                end = self._plan_run(now)
+                end, batch = self._plan_run(now)
                 if end is not None:
                     return end
-        batch = self.scheduler.schedule()
+        if batch is None:
+            batch = self.scheduler.schedule()
         for eng in batch.preempted:
             self._requests[eng.request_id].preemptions += 1
         if batch.empty:
@@ -424,6 +309,9 @@ class EngineSim:
         """Apply the running step's effects; returns its end time."""
         if self.run is not None:
             return self._finish_run()
+        return self._finish_ordinary()
+
+    def _finish_ordinary(self) -> float:
         step, self.step = self.step, None
         self.last_step_start = step.start
         now = step.end
@@ -436,7 +324,7 @@ class EngineSim:
 
     def _apply(self, batch: ScheduledBatch, now: float) -> None:
         sampled = {eng: (0, None) for eng, n in zip(batch.requests, batch.num_new_tokens)
-                   if eng.num_computed_tokens + n >= eng.num_tokens}
+                   if eng.num_computed_tokens + n >= len(eng.all_token_ids)}
         for eng in self.scheduler.update(batch, sampled):
             req = self._requests[eng.request_id]
             generated = req.generated = req.generated + 1
@@ -450,83 +338,6 @@ class EngineSim:
                 self.on_sampled(self, req, now)
 
     # ---- runs of decode steps ------------------------------------------------------------------
-    def _plan_run(self, now: float) -> float | None:
-        """Plan the steps from `now` on as one run when every running request decodes (one token
-        each, all in one batch), nothing waits to be admitted or to join, and at least two steps
-        pass before a request finishes or pages run out. Returns the run's end, or None for a
-        single ordinary step. Exactness: the step-by-step path would schedule exactly these
-        batches (the scheduler's inputs change only through this worker's methods, each of which
-        calls `sync` first, or through a step that samples a first or last token, which ends the
-        run), and its step times are the same function of the same batch, summed in the same
-        order."""
-        sched = self.scheduler
-        if sched.waiting or sched.ready:
-            return None
-        reqs = sched.running
-        b = len(reqs)
-        if not b or b > sched.max_num_batched_tokens:
-            return None
-        sims = []
-        m = self._run_len
-        for eng in reqs:
-            computed = eng.num_computed_tokens
-            sim = self._requests[eng.request_id]
-            p = eng.params
-            if (computed != len(eng.all_token_ids) - 1 or computed < eng.num_prompt_tokens or sim.generated < 1
-                    or sim.cached < 0 or eng.detokenizer is not None or p.stop_token_ids or not p.ignore_eos):
-                return None
-            # the last step that samples no final token: a finishing step goes the ordinary way
-            m = min(m, p.max_tokens - eng.num_output_tokens - 1, eng.max_total_tokens - computed - 2,
-                    sim.output_len - sim.generated - 1)
-            sims.append(sim)
-        if m < 2:
-            return None
-        ps = self.kv.page_size
-        caching = self.kv.pool.enable_prefix_caching
-        events = []
-        c0 = []
-        for i, eng in enumerate(reqs):
-            c = eng.num_computed_tokens
-            c0.append(c)
-            s = len(eng.pages) * ps - c  # the first step whose token needs a new page
-            if s < 0:
-                return None
-            while s < m:
-                events.append((s, 0, i))
-                s += ps
-            if caching:  # the steps whose token fills a page (registered at the step's end)
-                s = max(0, (eng.num_cached_pages_registered + 1) * ps - c - 1)
-                while s < m:
-                    events.append((s, 1, i))
-                    s = ((c + s + 1) // ps + 1) * ps - c - 1
-        counts = [0] * m
-        for s, phase, _ in events:
-            if not phase:
-                counts[s] += 1
-        free = self.kv.num_free_pages
-        allocs_by_step, total = [], 0
-        for s, n in enumerate(counts):
-            total += n
-            if total > free:  # this step would preempt: the run stops before it
-                m = s
-                break
-            allocs_by_step.append(total)
-        if m < 2:
-            return None
-        events = sorted(e for e in events if e[0] < m)
-        ctx = sum(c0) + b
-        durs, ends = [], []
-        t = now
-        for _ in range(m):
-            dur = self._duration([], b, ctx)
-            t = t + dur
-            durs.append(dur)
-            ends.append(t)
-            ctx += b
-        self.run = _Run(now, ends, durs, list(reqs), sims, c0, events, allocs_by_step)
-        self.step = _Step(now, t, None, False, b)
-        return t
-
     def sync(self) -> None:
         """Something reaches this worker now, inside a run: apply the steps done by now and turn
         the one running into an ordinary step (`on_step` is told its end); the run ends there.
@@ -536,67 +347,43 @@ class EngineSim:
         run = self.run
         if run is not None:
             j = run.started(self.clock()) - 1
-            if j < 2:
-                self._run_backoff = min(2 * self._run_backoff + 1, 32)
-                self._run_skip = self._run_backoff
-            else:
-                self._run_backoff = 0
-            self._run_len = max(8, 2 * (j + 1))
+            self._adapt(j)
             self._apply_run(j, True)
+
+    def end_run(self) -> None:
+        """Something reaches this worker now that only changes its next batch (a request to
+        admit or one whose KV arrived): a run ends with its step in flight (`on_step` is told
+        its end), where the step-by-step path would next call the scheduler. Nothing is applied
+        yet: the run's steps are applied together when it ends."""
+        run = self.run
+        if run is not None:
+            k = run.started(self.clock())
+            self._adapt(k - 1)
+            if k < len(run.ends):
+                del run.ends[k:]
+                del run.durs[k:]
+                run.last_ordinary = False
+                self.step = _Step(run.start, run.ends[-1], None, False, len(run.reqs))
+                self.on_step(self, run.ends[-1])
+
+    def _adapt(self, j: int) -> None:
+        """Plan the next run from how many steps this one ran before something reached it."""
+        if j < 2:
+            self._run_backoff = min(2 * self._run_backoff + 1, 32)
+            self._run_skip = self._run_backoff
+        else:
+            self._run_backoff = 0
+        self._run_len = max(8, 2 * (j + 1))
 
     def _finish_run(self) -> float:
         run = self.run
         self._run_backoff = 0
         self._run_len = min(MAX_RUN, 2 * len(run.ends))
+        if run.last_ordinary:  # its last step samples a last token: the ordinary way, now
+            self._apply_run(len(run.ends) - 1, True, notify=False)
+            return self._finish_ordinary()
         self._apply_run(len(run.ends), False)
         return run.ends[-1]
-
-    def _apply_run(self, j: int, running: bool) -> None:
-        """Apply the run's first `j` steps; with `running`, also schedule step j (its pages) as
-        the ordinary step in flight."""
-        run, self.run = self.run, None
-        kv = self.kv
-        reqs, c0 = run.reqs, run.c0
-        zeros = [0] * j
-        for eng in reqs:
-            eng.all_token_ids.extend(zeros)  # the tokens the steps sampled (the simulator samples 0)
-        n_alloc = j + 1 if running else j
-        for s, phase, i in run.events:
-            if s >= n_alloc:
-                break
-            eng = reqs[i]
-            if phase == 0:
-                eng.num_computed_tokens = c0[i] + s
-                if not kv.allocate(eng, 1):
-                    raise AssertionError("a planned run ran out of pages")
-            elif s < j:
-                eng.num_computed_tokens = c0[i] + s + 1
-                kv.cache_full_pages(eng)
-        times = run.ends[:j]
-        for eng, sim, c in zip(reqs, run.sims, c0):
-            eng.num_computed_tokens = c + j
-            sim.generated += j
-            sim.token_times.extend(times)
-        b = len(reqs)
-        started = n_alloc
-        if self.trace is not None:
-            shape = tuple((e.request_id, 1) for e in reqs)
-            self.trace.extend(((run.ends[s - 1] if s else run.start), shape) for s in range(started))
-        for dur in run.durs[:started]:
-            self.busy_s += dur
-        self.steps += started
-        self.batched_tokens += started * b
-        self.decode_seqs += started * b
-        self.last_step_s = run.durs[started - 1]
-        if j:
-            self.last_step_start = run.ends[j - 2] if j >= 2 else run.start
-        if running:
-            batch = ScheduledBatch(list(reqs), [1] * b, b)
-            start = run.ends[j - 1] if j else run.start
-            self.step = _Step(start, run.ends[j], batch, False, b)
-            self.on_step(self, run.ends[j])
-        else:
-            self.step = None
 
     # ---- engine requests --------------------------------------------------------------------
     def _engine_request(self, req: SimRequest) -> Request:

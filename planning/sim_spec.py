@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planning.latency import LatencyModel
-from planning.sim_engine import EngineLimits
+from planning.sim_request import EngineLimits
 from router.policy import POLICIES
 
 ROLES = ("prefill", "decode", "colocated")

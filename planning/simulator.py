@@ -27,14 +27,16 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loadgen.client import Timeline
 from loadgen.metrics import RequestRecord, meets_slo
 from loadgen.workloads import Workload
-from planning.sim_engine import EngineSim, SimRequest
+from planning.sim_engine import EngineSim
+from planning.sim_request import SimRequest
+from planning.sim_router import RouterView, SimLoad, SimView, to_sim_requests
 from planning.sim_spec import SimCluster
-from router.policy import WorkerView, make_policy
+from router.policy import make_policy
 
 @dataclass
 class SimResult:
@@ -50,48 +52,21 @@ class _Stopped(Exception):
     pass
 
 
-class _Load:
-    """What a worker's load report tells the router's policy: its free pages, now."""
-    __slots__ = ("worker",)
-    queued_tokens = 0  # the router's own count (WorkerView.inflight_tokens) is what it goes by
-
-    def __init__(self, worker: EngineSim) -> None:
-        self.worker = worker
-
-    @property
-    def free_pages(self) -> int:
-        return self.worker.free_pages
-
-
-@dataclass(slots=True, eq=False)
-class _View:
-    """One worker as the router sees it: the router's own `WorkerView` (what the placement
-    policies of router/policy.py read and the router updates), plus the simulator's queues."""
-    worker: EngineSim
-    router: WorkerView
-    local_threshold: int = 0
-    reserve: int = 0
-    page_queue: deque = field(default_factory=deque)
-    admit_queue: deque = field(default_factory=deque)  # (ready time, request): admitted at a step boundary
-    link_free: float = 0.0
-    kick_pending: bool = False
-
-
 class Simulator:
     """`exact_steps`: every decode step its own event, as before runs of decode steps were
-    planned at once (EngineSim._plan_run); the two give identical records, this one slower."""
+    planned at once (sim_runs.DecodeRuns); the two give identical records, this one slower."""
 
     def __init__(self, cluster: SimCluster, exact_steps: bool = False) -> None:
         self.cluster = cluster
         self.now = 0.0
-        self.prefills: list[_View] = []
-        self.decodes: list[_View] = []
-        self._order: list[_View] = []
+        self.prefills: list[SimView] = []
+        self.decodes: list[SimView] = []
+        self._order: list[SimView] = []
         for pool in cluster.pools:
             for i in range(pool.replicas):
                 w = EngineSim(f"{pool.name}-{i}", pool.role, pool.latency, pool.limits, self._on_sampled)
-                wv = WorkerView(w.name, pool.name, pool.role, load=_Load(w))
-                v = _View(w, wv, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
+                wv = RouterView(w.name, pool.name, pool.role, load=SimLoad(w))
+                v = SimView(w, wv, local_threshold=pool.local_prefill_threshold, reserve=pool.reserve_pages)
                 (self.prefills if pool.role == "prefill" else self.decodes).append(v)
                 self._order.append(v)
         for v in self._order:
@@ -135,8 +110,9 @@ class Simulator:
         return self.now
 
     def _on_step(self, worker: EngineSim, end: float) -> None:
-        """A worker's run of decode steps was cut short: its step in flight ends at `end`."""
-        self._push(end, 1, self._view[worker])
+        """A worker's run of decode steps was cut short: its step in flight ends at `end` (unless
+        the run is cut again before: the event names the step)."""
+        self._push(end, 5, (self._view[worker], worker.step))
 
     def run(self, workload: Workload, max_concurrency: int | None = None,
             stop_after_misses: tuple[dict[str, float], int] | None = None) -> SimResult:
@@ -149,7 +125,7 @@ class Simulator:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         t_wall = time.perf_counter()
-        reqs = _to_sim_requests(workload, self.cluster.hash_page_size)
+        reqs = to_sim_requests(workload, self.cluster.hash_page_size)
         shared = any(r.block_keys for r in reqs)
         for v in self._order:
             v.worker.prefix_caching(shared)
@@ -167,8 +143,6 @@ class Simulator:
         n_arrivals, next_arrival = len(arrivals), 0
         events = self._events
         self._next_arrival = arrivals[0].arrival if arrivals else math.inf
-        pop = heapq.heappop
-        now = 0.0
         try:
             self._loop(events, arrivals, n_arrivals, next_arrival)
         except _Stopped:
@@ -202,7 +176,7 @@ class Simulator:
                 self._kv_done(obj, now)
             elif kind == 4:
                 if obj.worker.run is not None:  # (a run: its step in flight is the next step boundary)
-                    obj.worker.sync()
+                    obj.worker.end_run()
                 if not obj.worker.busy:
                     self._admit_queued_pages(obj, now)
             else:
@@ -215,14 +189,14 @@ class Simulator:
         self._state[key] += delta
         self._timeline.samples.append((now, self._state["in_flight"], self._state["waiting"]))
 
-    def _kick(self, view: _View, now: float) -> None:
+    def _kick(self, view: SimView, now: float) -> None:
         """Start the worker's next step once every event of this instant is in (requests that
         arrive together are batched together, as the engine loop would find them)."""
         if not view.kick_pending and not view.worker.busy:
             view.kick_pending = True
             self._push(now, 3, view)
 
-    def _start_step(self, view: _View, now: float) -> None:
+    def _start_step(self, view: SimView, now: float) -> None:
         view.kick_pending = False
         w = view.worker
         end = w.start_step(now)
@@ -274,13 +248,13 @@ class Simulator:
         else:
             dview.page_queue.append(req)
 
-    def _reserve(self, dview: _View, req: SimRequest) -> bool:
+    def _reserve(self, dview: SimView, req: SimRequest) -> bool:
         if not dview.worker.reserve(req, dview.reserve):
             return False
         req.dest_pages = dview.worker.limits.pages_for(req.prompt_len)
         return True
 
-    def _admit_queued_pages(self, dview: _View, now: float) -> None:
+    def _admit_queued_pages(self, dview: SimView, now: float) -> None:
         while dview.page_queue and self._reserve(dview, dview.page_queue[0]):
             self._dispatch_prefill(dview.page_queue.popleft(), now)
         while dview.admit_queue and dview.admit_queue[0][0] <= now:
@@ -300,7 +274,7 @@ class Simulator:
         pview.worker.add(req)
         self._kick(pview, now)
 
-    def _pick(self, views: list[_View], req: SimRequest, pick) -> _View:
+    def _pick(self, views: list[SimView], req: SimRequest, pick) -> SimView:
         return self._by_router[id(pick([v.router for v in views], req.page_keys))]
 
     # ---- workers --------------------------------------------------------------------------------
@@ -318,7 +292,7 @@ class Simulator:
         elif req.generated >= req.output_len:  # the engine freed its pages
             self._finish(req, now)
 
-    def _start_transfer(self, pview: _View, req: SimRequest, now: float) -> None:
+    def _start_transfer(self, pview: SimView, req: SimRequest, now: float) -> None:
         lm = pview.worker.latency
         dest = self._by_name[req.decode_worker].worker
         req.kv_bytes = req.dest_pages * dest.limits.page_size * lm.kv_bytes_per_token
@@ -343,7 +317,7 @@ class Simulator:
         req.forget_prompt()  # both workers hold their engine copies now
         self._kick(dview, now)
 
-    def _step_done(self, view: _View, now: float) -> None:
+    def _step_done(self, view: SimView, now: float) -> None:
         view.worker.finish_step()
         if view.worker.role != "prefill":
             self._admit_queued_pages(view, now)
@@ -396,26 +370,6 @@ class Simulator:
                       "local_prefill": r.local_prefill, "preemptions": r.preemptions,
                       "kv_bytes": r.kv_bytes}
         return rec
-
-
-def _to_sim_requests(workload: Workload, page_size: int) -> list[SimRequest]:
-    """Workload requests -> SimRequests; prefix block ids become chained keys (a block's key
-    names it and every block before it, as the engine's page hashes do)."""
-    chain: dict[tuple, int] = {}
-    out = []
-    for w in workload.requests:
-        keys, prev = [], -1
-        for b in w.prefix_blocks:
-            prev = chain.setdefault((prev, b), len(chain))
-            keys.append(prev)
-        r = SimRequest(w.index, w.arrival_s, w.prompt_len, w.output_len, tuple(keys), workload.block_tokens,
-                       scheduled=w.arrival_s)
-        if keys:  # the router's page hashes of the shared part (the rest never matches anything)
-            bt = workload.block_tokens
-            r.page_keys = tuple((keys[((j + 1) * page_size - 1) // bt], j)
-                                for j in range(len(keys) * bt // page_size))
-        out.append(r)
-    return out
 
 
 def _worker_stats(w: EngineSim, end: float) -> dict:

@@ -95,3 +95,36 @@ def test_manager_finds_cached_prefix_and_allocates_all_or_nothing():
     kv.free(first)
     kv.free(second)
     assert kv.num_free_pages == 6
+
+
+def test_a_pool_without_token_checks_hits_by_hash_and_hands_out_pages_in_the_same_order():
+    """verify_tokens=False (hashes that name contents exactly, as the simulator's): a hit needs
+    only the hash, pages keep no token copy, and every page goes where it would with checks."""
+    import random
+
+    checked, unchecked = BlockPool(64), BlockPool(64, verify_tokens=False)
+    page = unchecked.allocate(1)[0]
+    unchecked.cache_page(page, 7, [1, 2, 3])
+    assert unchecked.lookup(7, ()) == page and unchecked._page_info[page] == (7, None)
+    unchecked.free([page])
+    checked.cache_page(checked.allocate(1)[0], 7, [1, 2, 3])
+    checked.free([0])
+    rng = random.Random(5)
+    owned: list[list[int]] = []
+    for step in range(400):
+        if owned and rng.random() < 0.45:
+            pages = owned.pop(rng.randrange(len(owned)))
+            checked.free(reversed(pages))
+            unchecked.free(reversed(pages))
+            continue
+        n = rng.randrange(1, 9)
+        if n > checked.num_free_pages:
+            continue
+        a, b = checked.allocate(n), unchecked.allocate(n)
+        assert a == b
+        hashes = [rng.randrange(40) for _ in a]
+        toks = [h * 3 for h in hashes for _ in range(2)]
+        checked.cache_pages(a, hashes, toks, 0, len(a), 2)
+        unchecked.cache_pages(b, hashes, toks, 0, len(b), 2)
+        assert checked._by_hash == unchecked._by_hash and list(checked._free_cached) == list(unchecked._free_cached)
+        owned.append(a)

@@ -188,3 +188,84 @@ def test_max_misses_is_the_exact_boundary():
         for target in (0.5, 0.9, 0.95, 0.99, 1.0):
             m = max_misses(n, target)
             assert (n - m) / n >= target and (m + 1 > n or (n - m - 1) / n < target)
+
+
+def test_decode_step_times_are_step_times_bit_for_bit():
+    rng = random.Random(7)
+    models = [LM, LatencyModel(), LatencyModel(decode=(-0.002, 0.0004, 3e-7)), LatencyModel(decode=(0.0, -1e-4, 1e-9))]
+    models += [LatencyModel(decode=(rng.uniform(-0.01, 0.03), rng.uniform(-1e-3, 1e-3), rng.uniform(-1e-6, 1e-5)))
+               for _ in range(20)]
+    for lm in models:
+        for b in (1, 2, 7, 256):
+            ctx = rng.randrange(0, 1 << 20)
+            got = lm.decode_step_times(b, ctx, 50)
+            assert got == [lm.step_time((), b, ctx + k * b) for k in range(50)]
+            assert [x.hex() for x in got] == [lm.step_time((), b, ctx + k * b).hex() for k in range(50)]
+
+
+def test_page_hashes_by_block_are_the_per_page_formula():
+    from planning.sim_request import SimRequest
+
+    rng = random.Random(3)
+    for bt, ps in ((64, 16), (512, 16), (48, 16), (16, 16), (40, 16)):
+        for _ in range(30):
+            keys = tuple(rng.randrange(1000) for _ in range(rng.randrange(0, 6)))
+            prompt = rng.randrange(1, len(keys) * bt + 100)
+            r = SimRequest(rng.randrange(100), 0.0, prompt, 5, keys, bt)
+            shared = min(len(keys) * bt, prompt) // ps
+            want = [((keys[((j + 1) * ps - 1) // bt] + 1) << 24) + j for j in range(shared)]
+            own = (1 << 63) + (r.index << 24)
+            want += range(own + shared, own + prompt // ps)
+            assert r.page_hashes(ps) == want
+
+
+def test_the_simulated_routers_bulk_remember_is_the_routers_remember():
+    from planning.sim_router import RouterView
+    from router.policy import WorkerView
+
+    rng = random.Random(11)
+    mine, theirs = RouterView("w", "p", "prefill"), WorkerView("w", "p", "prefill")
+    for _ in range(300):
+        keys = rng.sample(range(400), rng.randrange(0, 60))
+        cap = rng.choice((1, 50, 120, 1000))
+        mine.remember(keys, cap)
+        theirs.remember(keys, cap)
+        assert list(mine.cached) == list(theirs.cached)
+
+
+def test_joins_and_last_tokens_inside_runs_are_identical_to_exact_steps():
+    """A decode worker with long streams: a request whose KV arrives ends the run with its step
+    in flight (nothing applied until then), joins at the first step of the next run (built by
+    the scheduler), and the step that samples a stream's last token closes a run; the records,
+    steps and batches are the exact path's, and the decode worker's scheduler builds little
+    more than one batch per join and per finish."""
+    c = SimCluster([SimPool("p", "prefill", 1, LM, BIG), SimPool("d", "decode", 1, LM, BIG)],
+                   max_inflight=1 << 20, max_queue=1 << 20)
+    w = poisson(120, 3.0, (32, 400), (150, 400), seed=8)
+    ended = []
+    real_end = EngineSim.end_run
+
+    def counting(self):
+        if self.run is not None:
+            ended.append(self.name)
+        real_end(self)
+
+    EngineSim.end_run = counting
+    try:
+        assert_same(c, w, min_saved=0.7)
+    finally:
+        EngineSim.end_run = real_end
+    assert ended.count("d-0") > 50  # joins landed inside runs
+    _, _, batches = run(c, w, False)
+    assert len(batches["d-0"]) <= 2.5 * len(w.requests)
+
+
+def test_runs_with_every_sequence_slot_taken_and_requests_waiting_are_identical():
+    """Decode and colocated workers whose sequence slots are all taken, with requests ready to
+    join or waiting: nothing can change the batch before a request finishes, so runs go on."""
+    slots = EngineLimits(page_size=16, num_pages=1 << 16, max_num_batched_tokens=512, max_num_seqs=6)
+    c = SimCluster([SimPool("p", "prefill", 1, LM, BIG), SimPool("d", "decode", 1, LM, slots)],
+                   max_inflight=1 << 20, max_queue=1 << 20)
+    assert_same(c, poisson(150, 6.0, (32, 300), (20, 200), seed=9), min_saved=0.5)
+    c = SimCluster([SimPool("c", "colocated", 1, LM, slots)], max_inflight=1 << 20, max_queue=1 << 20)
+    assert_same(c, poisson(150, 6.0, (32, 300), (20, 200), seed=10), min_saved=0.5)
