@@ -112,12 +112,15 @@ class PrefixTransfers:
             raise ValueError(f"request {request_id!r} is already being exported")
         end = start_token + num_tokens
         hashes = page_hashes(token_ids[:end], ps, [])
+        pool = self.kv.pool
+        counted = pool.queries, pool.hits  # the hit rate is about the prompts this worker serves, not its exports
         pages: list[int] = []
         for i in range(start_token // ps, end // ps):
-            page = self.kv.pool.lookup(hashes[i], token_ids[i * ps:(i + 1) * ps])
+            page = pool.lookup(hashes[i], token_ids[i * ps:(i + 1) * ps])
             if page is None:
                 break
             pages.append(page)
+        pool.queries, pool.hits = counted
         if not pages:
             return 0, None
         self.kv.pool.touch(pages)  # pinned: eviction cannot hand them out until the release

@@ -212,8 +212,10 @@ def test_holder_evicted_pages_before_the_fetch(workers, prompts):
     r.run()
     evict_tail(p, 2)  # X's pages 2 and 3 are handed out and freed again: gone from the cache
     d.core.reset_prefix_cache()
+    queries = p.core.kv.pool.queries
     r.local("y", y, 4, holder=p)
     r.run()
+    assert p.core.kv.pool.queries == queries, "an export is not a prefix-cache query of the holder's own"
     assert r.exports["y"].num_tokens == 2 * PAGE
     assert r.tokens["y"] == want and r.cached["y"] == 2 * PAGE
 
