@@ -207,7 +207,12 @@ class TransferConnector(KVConnector):
         dests = [d if d.num_tokens == num_tokens else
                  dataclasses.replace(d, num_tokens=num_tokens, page_ids=d.page_ids[:len(req.pages)]) for d in dests]
         with self._lock:
-            self._sending[tid] = req
+            clash = tid in self._sending
+            if not clash:
+                self._sending[tid] = req
+        if clash:
+            self._queue(KVEventKind.RELEASED, req)
+            return f"transfer {tid!r} is already being sent"
         try:
             status = self.sender.start(tid, dests, list(req.pages), num_tokens)
             if status.state != TransferState.FAILED:
@@ -275,11 +280,13 @@ class TransferConnector(KVConnector):
             if self._fetching.get(tid) is not req:
                 return None  # it ended meanwhile
             del self._fetching[tid]
+        inc = self.receiver.book.get(tid)
+        written = inc.num_tokens if inc is not None else 0  # what the ledger saw written (a cut receive: fewer)
         status = self.receiver.take(tid)
-        if not status.prompt_len or status.prompt_len % self.pool.layout.page_size:
-            return KVEvent(KVEventKind.FAILED, req, error=f"prefix fetch ended with {status.prompt_len} tokens, "
-                                                           f"not whole pages")
-        return KVEvent(KVEventKind.PREFIX_RECEIVED, req, num_tokens=status.prompt_len)
+        if status.prompt_len != written or not written or written % self.pool.layout.page_size:
+            return KVEvent(KVEventKind.FAILED, req, error=f"prefix fetch: the final notice says {status.prompt_len} "
+                                                           f"tokens, {written} were written")
+        return KVEvent(KVEventKind.PREFIX_RECEIVED, req, num_tokens=written)
 
     @property
     def has_events(self) -> bool:
