@@ -148,7 +148,7 @@ class HostedWorker:
     WATCH_S = 0.5
     # every role's calls (engine/async_worker.py checks a caller's method against these), and the
     # role switch; a call of another role than the worker's own now is refused (__getattr__)
-    CALLS = ("submit", "admit", "cancel", "kv_events", "switch_role")
+    CALLS = ("submit", "admit", "cancel", "kv_events", "export_prefix", "abandon_fetch", "switch_role")
     ROLE_CALLS = ("submit", "admit")
 
     def __init__(self, worker: Any, spec: WorkerSpec) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import PrefixFetch, TokenLogprobs
 
 
 class DecodeStage(enum.IntEnum):
@@ -62,7 +62,8 @@ class Admission:
     """The decode worker's answer to a new request. With `descriptors` set (each receiving rank's
     `DestinationDescriptor.to_bytes()`, in rank order: one at tensor_parallel_size 1), send them
     all with the prefill task; QUEUED_FOR_PAGES gets its descriptors in a later Admission, among
-    the request's outputs; LOCAL_PREFILL needs no prefill worker at all. `num_pages` and
+    the request's outputs; LOCAL_PREFILL needs no prefill worker at all (with `prefix_fetch`, an
+    admission with a remote prefix: hand that to the holder's `export_prefix`). `num_pages` and
     `kv_bytes` (what the transfer will move: every destination page, K and V, every layer) are
     summed over the ranks."""
 
@@ -71,6 +72,7 @@ class Admission:
     descriptors: list[bytes] | None = None
     num_pages: int = 0
     kv_bytes: int = 0
+    prefix_fetch: PrefixFetch | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,7 @@ elsewhere, plus the decode side's policies. A request's stage (types.DecodeStage
     admit --pages free--> WAITING_FOR_KV --KV received--> DECODING --stop|length--> FINISHED
       |  \\--pages short--> QUEUED_FOR_PAGES --pages free--^      ^
       |                                                  FAILED <-+- KV failed (policy FAIL)
-      \\--uncached prompt < threshold--> LOCAL_PREFILL --first token--> DECODING
+      \\--uncached prompt < threshold, or a remote prefix--> LOCAL_PREFILL --first token--> DECODING
                         KV failed (policy REPREFILL) --^
     any live stage --cancel--> CANCELLED (pages freed at once, or once the receiver lets go)
 
@@ -20,6 +20,12 @@ What is this worker's own, the engine does not know:
 Everything else is the engine's: WAITING_FOR_KV is its WAITING_FOR_REMOTE_KV state; on arrival
 the request joins the batch with the first token sampled by the prefill side (a draw depends
 only on seed and position, so seeded output matches a colocated run); preemption recomputes.
+
+Prefix fetch (engine/prefix_fetch.py; the router drives it): `admit(..., remote_prefix=
+RemotePrefix(k))` prefills here after fetching the prompt's first k pages from a peer (the
+Admission's `prefix_fetch` goes to that peer's `export_prefix`; a failed fetch computes them
+here); `export_prefix` sends this worker's cached pages to a peer; `abandon_fetch` gives a fetch
+up. The connector sends too, for that (at tensor_parallel_size 1 only).
 
 With `tensor_parallel_size=N` (an engine keyword) every rank receives its own KV heads: an
 admission carries one descriptor per rank, all of which go to the prefill worker.
@@ -37,24 +43,26 @@ from decode_worker.types import (Admission, DecodeConfig, DecodeOutput, DecodeSt
 from engine.core import EngineCore, resolve_model
 from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
-from engine.outputs import RequestOutput, Resume
+from engine.outputs import PrefixExport, PrefixFetch, RemotePrefix, RequestOutput, Resume
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from kv_transfer import prefix
 from kv_transfer.config import TransferConfig
 from kv_transfer.tp_connector import make_connector
 
 
 class DecodeWorker:
-    CALLS = ("admit", "cancel", "kv_events")  # what a remote caller may run (engine/async_worker.py)
+    CALLS = ("admit", "cancel", "kv_events", "export_prefix", "abandon_fetch")  # what a remote caller may run (engine/async_worker.py)
 
     def __init__(self, model: str | Path, *, transport: str | None = "nixl",
                  transfer_config: TransferConfig | None = None, config: DecodeConfig | None = None,
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
         """`transport=None`: a colocated worker, which prefills every prompt itself."""
         self.config = config or DecodeConfig()
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
         self.connector = None if transport is None else make_connector(
-            transport, transfer_config, model_id=model_id or resolve_model(model).name, receive=True,
-            transport_kwargs=transport_kwargs, tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
+            transport, transfer_config, model_id=model_id or resolve_model(model).name, receive=True, send=tp == 1,
+            transport_kwargs=transport_kwargs, tensor_parallel_size=tp)
         self.core = EngineCore(model, kv_connector=self.connector, on_kv_failure=self._on_kv_failure, **engine_kwargs)
         self._init_state()
 
@@ -68,7 +76,8 @@ class DecodeWorker:
         self = cls.__new__(cls)
         self.config = config or DecodeConfig()
         self.connector = None if transport is None else make_connector(
-            transport, transfer_config, model_id=core.model_dir.name, receive=True, transport_kwargs=transport_kwargs)
+            transport, transfer_config, model_id=core.model_dir.name, receive=True, send=True,
+            transport_kwargs=transport_kwargs)
         core.set_kv_connector(self.connector, self._on_kv_failure, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, detokenize=True)
         self.core = core
@@ -91,15 +100,22 @@ class DecodeWorker:
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              resume: Resume | None = None) -> Admission:
+              resume: Resume | None = None, remote_prefix: RemotePrefix | None = None) -> Admission:
         """Take a new request: pages + descriptor, a place in the page queue, or a local prefill.
         With `resume`, the request continues a stream whose decode worker was lost: its KV (prompt
         and the tokens generated so far) is prefilled here or by the prefill side like a new
         prompt's, and it goes on sampling where that worker stopped. Raises ValueError (nothing
-        kept) for an invalid request."""
+        kept) for an invalid request. With `remote_prefix`, the request is prefilled here after
+        its first pages are fetched from a peer (the Admission's `prefix_fetch`; None: nothing to
+        fetch)."""
         if request_id in self._stages:
             raise ValueError(f"request_id {request_id!r} is already on this decode worker")
         req = self.core.make_request(prompt_token_ids, params, request_id, resume=resume)
+        if remote_prefix is not None:
+            fetch = prefix.fetch_of(request_id, self.core.add_fetching(req, remote_prefix.num_pages))
+            self.num_local_prefills += 1
+            self._stages[request_id] = DecodeStage.LOCAL_PREFILL
+            return Admission(request_id, DecodeStage.LOCAL_PREFILL, prefix_fetch=fetch)
         threshold = self.config.local_prefill_threshold
         if self.connector is None or req.status.finished or (
                 threshold and req.num_tokens - self.core.cached_prefix_tokens(req) < threshold):
@@ -136,6 +152,15 @@ class DecodeWorker:
             self.num_reprefills += 1
             return True
         return False
+
+    def export_prefix(self, fetch: PrefixFetch, prompt_token_ids: list[int]) -> PrefixExport:
+        """Send a peer the cached pages it asked for (its PrefixFetch): pinned and sending when
+        this returns, or fewer (possibly none) when the prefix cache no longer holds them."""
+        return prefix.export(self.core, fetch, prompt_token_ids)
+
+    def abandon_fetch(self, request_id: str) -> bool:
+        """Compute a fetching request's whole prompt instead (its holder sends nothing)."""
+        return self.core.abandon_fetch(request_id)
 
     # ---- cancellation ---------------------------------------------------------------------
     def cancel(self, request_id: str) -> bool:

@@ -22,6 +22,10 @@ finds it (its requests end with finish_reason "error" naming the rank) and every
 `tensor_parallel_error` says why; the engine must be replaced. `close()` stops the followers.
 With a KV connector, every rank sends or receives its own KV heads: the leader's connector
 (kv_transfer/tp_connector.py) has each follower build its rank's end and drives it.
+
+Prefix fetch (engine/prefix_fetch.py): `add_fetching` queues a request whose leading pages come
+from a peer's prefix cache, `export_prefix` sends this engine's cached pages to such a peer;
+both need a connector that sends and receives, at tensor_parallel_size 1.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from engine.load import WorkerLoad
 from engine.model_runner import ModelRunner, page_bytes
 from engine.outputs import RequestOutput, Resume
 from engine.parallel import DEFAULT_TIMEOUT_S, TRANSPORTS, TPGroup, TPShard
+from engine.prefix_fetch import FetchPlan, PrefixTransfers
 from engine.request import Request
 from engine.sampler import request_seed
 from engine.sampling_params import SamplingParams
@@ -143,6 +148,7 @@ class EngineCore:
         self.connector = kv_connector
         self.on_kv_failure = on_kv_failure
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, kv_connector)
+        self.prefix = PrefixTransfers(self.kv, self.scheduler)
         self._tp: TPGroup | None = None
         self._tp_followers = None
         runner_kw = dict(dtype=self.dtype, device=self.device, page_size=page_size, num_pages=num_pages,
@@ -328,6 +334,45 @@ class EngineCore:
         self.scheduler.add_remote(req)
         return where
 
+    def add_fetching(self, req: Request, num_pages: int) -> FetchPlan | None:
+        """Queue a request whose first `num_pages` pages a peer's prefix cache holds: pages are
+        allocated for them and the plan says where the peer writes them (its `export_prefix`);
+        once they arrive only the rest of the prompt is prefilled here, and if the fetch fails,
+        all of it. None: nothing to fetch (this engine's own cache holds those pages, or pages
+        are short), the request is queued as by `add`. Raises ValueError (nothing kept) when this
+        engine cannot fetch or `num_pages` does not fit the prompt."""
+        self._check_prefix_fetch()
+        self._check_new(req.request_id)
+        plan = None if req.status.finished else self.prefix.fetch(self.connector, req, num_pages)
+        if plan is None:
+            self.add(req)
+        else:
+            self._requests[req.request_id] = req
+        return plan
+
+    def abandon_fetch(self, request_id: str) -> bool:
+        """Give up the prefix fetch of a request (its holder answered that it sends nothing, or
+        cannot be reached): it computes its whole prompt here. False if it is not fetching."""
+        return self.connector is not None and self.prefix.abandon(self.connector, request_id)
+
+    def export_prefix(self, request_id: str, token_ids: Sequence[int], start_token: int, num_tokens: int,
+                      destinations: Sequence) -> tuple[int, str | None]:
+        """Send the KV of tokens [start_token, start_token + num_tokens) of `token_ids` from this
+        engine's prefix cache into `destinations` (a requester's `add_fetching` plan), no forward
+        pass; the pages stay pinned until the send ends. Returns (tokens sent, error): fewer
+        tokens than asked (whole pages, possibly 0) when the cache no longer holds them all."""
+        self._check_prefix_fetch()
+        return self.prefix.export(self.connector, request_id, self.tokenize(token_ids), start_token, num_tokens,
+                                  list(destinations))
+
+    def _check_prefix_fetch(self) -> None:
+        if self._tp is not None:
+            raise ValueError(f"prefix fetch is not supported at tensor_parallel_size > 1 yet (this engine: "
+                             f"{self.tensor_parallel_size})")
+        if self.connector is None or not self.connector.prefix_fetch:
+            raise ValueError("prefix fetch needs a KV connector that both sends and receives; this engine has "
+                             + ("none" if self.connector is None else type(self.connector).__name__ + " without"))
+
     def _check_new(self, request_id: str) -> None:
         if request_id in self._requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -343,6 +388,7 @@ class EngineCore:
         finished request whose pages are still held for its transfer has that transfer ended
         (no output: it had its final one). False if the engine does not know the request."""
         req = self._requests.pop(request_id, None)
+        self.prefix.forget(request_id)
         if req is None:
             held = self.scheduler.held.get(request_id)
             if held is None:
@@ -376,7 +422,7 @@ class EngineCore:
     @property
     def has_requests(self) -> bool:
         """Any request open in any state, held pages included."""
-        return bool(self._requests or self.scheduler.held or self._ended)
+        return bool(self._requests or self.scheduler.held or self._ended or self.prefix.exports)
 
     def set_wakeup(self, fn: Callable[[], None]) -> None:
         """Call `fn` (from any thread) when the connector has news for the next step."""
@@ -467,7 +513,7 @@ class EngineCore:
         sched = self.scheduler
         for ev in self.connector.take_events():
             req = ev.request
-            if sched.release(req):
+            if sched.release(req) or self.prefix.on_event(ev):
                 continue
             if ev.kind == KVEventKind.RECEIVED:
                 sched.kv_received(req, ev.first_token)
@@ -491,7 +537,7 @@ class EngineCore:
             waiting_requests=len(sched.waiting) + len(sched.waiting_kv) + len(sched.ready),
             queued_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             running_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.running),
-            transferring_requests=len(sched.held) + len(sched.waiting_kv),
+            transferring_requests=len(sched.held) + len(sched.waiting_kv) + len(self.prefix.exports),
             free_pages=self.kv.num_free_pages,
             total_pages=self.kv.num_pages,
             tokens_per_s=sum(n for _, n in self._generated) / span if span > 0 else 0.0,

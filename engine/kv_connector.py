@@ -49,8 +49,29 @@ Worker side: moving bytes, and what happened
   set_wakeup(fn)             fn() is called after an event is queued, so the engine loop wakes for
                              it: nothing outside the connector polls
 
+Prefix fetch (a worker pulls a cached prefix from a peer's prefix cache instead of computing
+it; `prefix_fetch` is True for a connector that can, which needs both roles). The transfer's id
+on the wire is `prefix_transfer_id(request id)`, so it never meets the request's own send or
+receive.
+  prepare_fetch(req, pages, num_tokens) -> D
+                             receive up to `num_tokens` (whole pages) of the prompt's KV, from
+                             token `req`'s pages before `pages` cover, into `pages`; the holder may
+                             send fewer whole pages. Ends with PREFIX_RECEIVED or FAILED, within
+                             the transfer deadline (also the deadline for the holder to begin)
+  cancel_fetch(req)          give up a fetch (FAILED follows once nothing writes into the pages)
+  start_export(req, dests, num_tokens) -> error
+                             the holder's side: send the first `num_tokens` of KV held in
+                             `req.pages` (cached pages the engine pinned for it; `req` is the
+                             engine's record of the export, its id the transfer id) into
+                             `dests`, every layer at once, no forward pass; fewer tokens than the
+                             destination asked for fill its first pages only. RELEASED(req)
+                             always follows, also after an error.
+
 Events
   RECEIVED(req, first_token) every layer of the prompt's KV is in req's pages
+  PREFIX_RECEIVED(req, num_tokens)
+                             a fetch ended: the first `num_tokens` of the pages it was given hold
+                             the prefix's KV (whole pages)
   FAILED(req, error)         the request's transfer failed; nothing writes into its pages any more
   RELEASED(req)              a send ended (done or failed); nothing reads its pages any more
 """
@@ -68,6 +89,7 @@ if TYPE_CHECKING:
 
 class KVEventKind(enum.Enum):
     RECEIVED = "received"
+    PREFIX_RECEIVED = "prefix_received"
     FAILED = "failed"
     RELEASED = "released"
 
@@ -78,6 +100,12 @@ class KVEvent:
     request: Request  # the very object the connector was given: a stale event never matches a new request
     first_token: int | None = None
     error: str | None = None
+    num_tokens: int | None = None  # PREFIX_RECEIVED: tokens of KV that arrived
+
+
+def prefix_transfer_id(request_id: str) -> str:
+    """The id of a request's prefix fetch on the wire (on both the holder and the requester)."""
+    return f"{request_id}#prefix"
 
 
 class KVConnector(ABC):
@@ -107,6 +135,18 @@ class KVConnector(ABC):
 
     @abstractmethod
     def cancel(self, req: Request) -> None: ...
+
+    # ---- prefix fetch -----------------------------------------------------------------------
+    prefix_fetch = False  # True: prepare_fetch, cancel_fetch and start_export work
+
+    def prepare_fetch(self, req: Request, pages: list[int], num_tokens: int) -> object:
+        raise NotImplementedError
+
+    def cancel_fetch(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def start_export(self, req: Request, dests: list, num_tokens: int) -> str | None:
+        raise NotImplementedError
 
     # ---- worker side ------------------------------------------------------------------------
     @abstractmethod

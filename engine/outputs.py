@@ -55,3 +55,40 @@ class Resume:
             raise ValueError("Resume.output_token_ids must hold at least one token")
         if self.text_chars_sent < 0:
             raise ValueError(f"Resume.text_chars_sent must be >= 0, got {self.text_chars_sent}")
+
+
+@dataclass(slots=True, frozen=True)
+class RemotePrefix:
+    """A request's first `num_pages` pages are in another worker's prefix cache: fetch them
+    instead of computing them (the router's choice, from its KV index)."""
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_pages, bool) or not isinstance(self.num_pages, int) or self.num_pages < 1:
+            raise ValueError(f"RemotePrefix.num_pages must be an integer >= 1, got {self.num_pages!r}")
+
+
+@dataclass(slots=True)
+class PrefixFetch:
+    """The requester's half of a prefix fetch, for the holder's `export_prefix`: the KV of
+    prompt tokens [start_token, start_token + num_tokens) goes into `descriptors` (each a
+    `DestinationDescriptor.to_bytes()`; the tokens before start_token the requester had cached)."""
+    request_id: str
+    start_token: int
+    num_tokens: int
+    descriptors: list[bytes]
+
+
+@dataclass(slots=True)
+class PrefixExport:
+    """The holder's answer to `export_prefix`, given at once: it pinned and is sending
+    `num_tokens` of the `requested_tokens` (whole pages from the first; fewer when its cache no
+    longer holds them all, 0 when it sends nothing; `error` says why when it could not send)."""
+    request_id: str
+    num_tokens: int
+    requested_tokens: int
+    error: str | None = None
+
+    @property
+    def sending(self) -> bool:
+        return self.num_tokens > 0

@@ -16,7 +16,8 @@ are keyed by token position, engine.sampler).
 
 The request states this module moves (engine/request.py draws them all):
   waiting      WAITING / PREEMPTED, no pages (or a cached prefix being taken)
-  waiting_kv   WAITING_FOR_REMOTE_KV: pages allocated, the connector fills them; never scheduled
+  waiting_kv   WAITING_FOR_REMOTE_KV: pages allocated, the connector fills them; never scheduled (a
+               prefix fetch fills only leading pages: the request then goes to `waiting`)
   ready        WAITING_FOR_REMOTE_KV, KV complete: joins `running` at the next step with a free slot
   running      RUNNING
   held         finished, pages still needed by the connector (a send or receive in flight) until
@@ -103,6 +104,17 @@ class Scheduler:
         del self.waiting_kv[request.request_id]
         self.kv.free(request)
         return True
+
+    def prefix_received(self, request: Request, num_tokens: int) -> None:
+        """A fetched prefix (engine/prefix_fetch.py) is in the request's leading pages: it waits to
+        prefill the rest, as after a prefix-cache hit of `num_tokens` (whole pages), which join
+        the prefix cache now."""
+        if self.waiting_kv.get(request.request_id) is request:
+            del self.waiting_kv[request.request_id]
+            request.num_computed_tokens = num_tokens
+            self.kv.cache_full_pages(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
 
     def recompute(self, request: Request) -> None:
         """Queue a request to compute its prompt here from scratch (its KV was to come from elsewhere)."""
@@ -201,8 +213,8 @@ class Scheduler:
                 if not allocate(req, n, cached):
                     break
                 self.waiting.popleft()
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = len(cached) * page_size
+                if req.num_cached_tokens < 0:  # a fetched prefix (engine/prefix_fetch.py) counts as cached
+                    req.num_cached_tokens = req.num_computed_tokens + len(cached) * page_size
                     req.metrics.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens += len(cached) * page_size
                 req.status = RequestStatus.RUNNING

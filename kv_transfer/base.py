@@ -94,11 +94,13 @@ class KVReceiver(ABC):
     def endpoint(self) -> str: ...
 
     def expect(self, request_id: str, page_ids: list[int], num_tokens: int,
-               deadline_s: float | None = None, begin_timeout_s: float | None = None) -> DestinationDescriptor:
+               deadline_s: float | None = None, begin_timeout_s: float | None = None,
+               partial: bool = False) -> DestinationDescriptor:
         """Track pages the worker allocated for a request and publish where to send them. A
-        sender has `begin_timeout_s` (config default) to begin, then `deadline_s` to finish."""
+        sender has `begin_timeout_s` (config default) to begin, then `deadline_s` to finish.
+        `partial`: the sender may fill only the first whole pages (a prefix fetch; receiver_book.py)."""
         self.book.expect(request_id, page_ids, num_tokens, deadline_s or self.config.deadline_s,
-                         begin_timeout_s or self.config.begin_timeout_s)
+                         begin_timeout_s or self.config.begin_timeout_s, partial)
         return DestinationDescriptor(request_id, self.transport, self.endpoint, tuple(int(p) for p in page_ids),
                                      num_tokens, self.pool.layout, self.compat)
 

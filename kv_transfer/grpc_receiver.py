@@ -121,7 +121,7 @@ class GrpcReceiver(KVReceiver):
         if layout is None:
             return pb.Ack(ok=False, reason=f"sender {request.sender_id!r} has not handshaken")
         try:
-            self.book.begin(request.request_id, request.sender_id, layout, list(request.dst_page_ids))
+            self.book.begin(request.request_id, request.sender_id, layout, list(request.dst_page_ids), request.num_tokens)
         except TransferRejected as exc:
             return pb.Ack(ok=False, reason=str(exc))
         return pb.Ack(ok=True)

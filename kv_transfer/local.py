@@ -96,7 +96,7 @@ class LocalSender(KVSender):
                                receiver.config.allowed_dtype_conversions)
                 if not reply.accepted:
                     raise HandshakeError(f"handshake with {dest.endpoint} refused: {reply.reason}")
-                receiver.book.begin(request_id, self.sender_id, self.pool.layout, list(dest.page_ids))
+                receiver.book.begin(request_id, self.sender_id, self.pool.layout, list(dest.page_ids), num_tokens)
                 receivers.append(receiver)
         except (HandshakeError, TransferRejected) as exc:
             self.book.fail(request_id, str(exc))

@@ -107,7 +107,8 @@ class NixlReceiver(KVReceiver):
                 src.min() < 0 or src.max() >= peer.num_pages)):
             return pb.Ack(ok=False, reason="src_page_ids do not cover the tokens or lie outside the sender's pool")
         try:
-            inc = self.book.begin(request.request_id, request.sender_id, peer.layout, list(request.dst_page_ids))
+            inc = self.book.begin(request.request_id, request.sender_id, peer.layout, list(request.dst_page_ids),
+                                  request.num_tokens)
         except TransferRejected as exc:
             return pb.Ack(ok=False, reason=str(exc))
         if request.num_tokens != inc.num_tokens:

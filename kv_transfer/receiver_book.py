@@ -8,7 +8,10 @@ Lifecycle of a request on the decode side:
   handshake) -> WAITING, and the transfer deadline runs from the first begin;
   check_run() + mark() per written run -> TRANSFERRING; all layers x tokens x held heads
   written and a final notice in -> DONE, announced by `on_done(request_id)`; the worker then
-  take()s the request (its pages are the worker's to decode from). On FAILED (deadline, peer death, rejected message,
+  take()s the request (its pages are the worker's to decode from). A `partial` expectation
+  (a prefix fetch: the holder may have fewer pages than asked for) lets the first begin()
+  claim a leading part of the pages, whole pages only: the request then covers just those
+  tokens. On FAILED (deadline, peer death, rejected message,
   cancel) the ledger calls `on_release(request_id, pages)` once no write into those pages
   is still in flight, so a late write can never land in a page the pool reused.
 """
@@ -50,6 +53,7 @@ class Incoming:
     finals: set[str] = field(default_factory=set)  # senders whose final notice arrived
     writers: int = 0                         # writes/reads into these pages still in flight
     released: bool = False
+    partial: bool = False                    # the first begin may claim a leading part of the pages
 
 
 class ReceiverBook:
@@ -67,10 +71,11 @@ class ReceiverBook:
 
     # ---- allocation -------------------------------------------------------------------------
     def expect(self, request_id: str, page_ids: list[int], num_tokens: int, deadline_s: float,
-               begin_timeout_s: float | None = None) -> TransferStatus:
+               begin_timeout_s: float | None = None, partial: bool = False) -> TransferStatus:
         """Track `page_ids` for `request_id`. A sender must begin within `begin_timeout_s`
         (default: `deadline_s`), and the whole transfer then finish within `deadline_s` of that
-        first begin; either expiry fails the request and releases its pages."""
+        first begin; either expiry fails the request and releases its pages. `partial`: the
+        sender may send fewer tokens, whole pages from the first (module docstring)."""
         pages = np.asarray(page_ids, dtype=np.int64)
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -92,7 +97,7 @@ class ReceiverBook:
             wait = deadline_s if begin_timeout_s is None else begin_timeout_s
             status = TransferStatus(request_id, signal_on_terminal=False)
             self._active[request_id] = Incoming(status, pages, num_tokens, time.monotonic() + wait, deadline_s,
-                                                np.zeros(shape, dtype=bool), int(np.prod(shape)))
+                                                np.zeros(shape, dtype=bool), int(np.prod(shape)), partial=partial)
             return self._active[request_id].status
 
     def tracked_pages(self) -> list[int]:
@@ -123,13 +128,17 @@ class ReceiverBook:
             raise TransferRejected(f"request {request_id!r} is already {inc.status.state.name}")
         return inc
 
-    def begin(self, request_id: str, sender_id: str, sender_layout: KVLayout, dst_page_ids: list[int]) -> Incoming:
+    def begin(self, request_id: str, sender_id: str, sender_layout: KVLayout, dst_page_ids: list[int],
+              num_tokens: int | None = None) -> Incoming:
+        """`num_tokens`: what the sender's Begin says it sends (a partial request is cut to it)."""
         with self._lock:
             inc = self._live(request_id)
             claimed = np.asarray(dst_page_ids, dtype=np.int64)
             outside = np.setdiff1d(claimed, inc.page_ids)
             if len(outside):
                 raise self._reject(request_id, f"page ids {outside[:8].tolist()} are outside the request's allocation")
+            if inc.partial and not inc.senders and num_tokens is not None and num_tokens < inc.num_tokens:
+                self._cut(request_id, inc, claimed, num_tokens)
             if len(claimed) != len(inc.page_ids) or not np.array_equal(claimed, inc.page_ids):
                 raise self._reject(request_id, "dst_page_ids differ from the published descriptor")
             lo, hi = head_overlap(sender_layout, self.layout)
@@ -140,6 +149,17 @@ class ReceiverBook:
             inc.senders[sender_id] = sender_layout
             inc.status.advance(TransferState.WAITING)
             return inc
+
+    def _cut(self, request_id: str, inc: Incoming, claimed: np.ndarray, num_tokens: int) -> None:
+        """A partial request's first sender sends only its first `num_tokens` (whole pages)."""
+        n = len(claimed)
+        if (num_tokens < 1 or num_tokens % self.layout.page_size or self.layout.pages_for(num_tokens) != n
+                or not np.array_equal(claimed, inc.page_ids[:n])):
+            raise self._reject(request_id, f"a partial begin must claim the first whole pages of the descriptor: "
+                                           f"{n} pages for {num_tokens} tokens")
+        inc.page_ids, inc.num_tokens = inc.page_ids[:n], num_tokens
+        inc.covered = np.ascontiguousarray(inc.covered[:, :num_tokens])
+        inc.remaining = int(inc.covered.size)
 
     def check_run(self, request_id: str, sender_id: str, layer: int, token_start: int, num_tokens: int,
                   dst_page_ids: list[int] | None = None, nbytes: int | None = None,

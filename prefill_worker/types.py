@@ -5,19 +5,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import RemotePrefix, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class PrefillTask:
     """One request to prefill: its real sampling params (the worker runs it to the first token
-    only) and where its KV goes: one `DestinationDescriptor.to_bytes()` per destination rank."""
+    only) and where its KV goes: one `DestinationDescriptor.to_bytes()` per destination rank.
+    With `remote_prefix`, its leading pages are fetched from a peer's prefix cache (submit
+    answers the PrefixFetch the router hands to that peer's `export_prefix`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     destinations: list[bytes]
+    remote_prefix: RemotePrefix | None = None
 
 
 @dataclass(slots=True)

@@ -5,12 +5,20 @@ ranks that hold them (a task carries one descriptor per decode rank; kv_transfer
 
 A request's way through the worker:
 
-    submit(task) -> the engine's waiting queue -> chunks under the step's token budget (prefix
+    submit(task) [-> with a remote prefix: fetch its leading pages from a peer first, or compute
+    them if the fetch fails] -> the engine's waiting queue -> chunks under the step's token budget (prefix
     cache hits skipped) -> the last chunk is scheduled: the connector starts the send -> that
     step's forward sends each layer as its K/V is written -> first token sampled: the final
     notice follows the KV, and the PrefillResult is reported at once (TTFT) -> the request's
     pages stay held until the send ends (DONE or FAILED) -> freed (full pages stay in the
     prefix cache).
+
+Prefix fetch, either side (engine/prefix_fetch.py; the router drives it, issue 37):
+    requester: fetch = submit(PrefillTask(..., remote_prefix=RemotePrefix(k)))  (None: nothing to fetch)
+    holder:    export_prefix(fetch, prompt_token_ids) -> PrefixExport (pinned and sending, at once)
+    requester: abandon_fetch(request_id) when the holder sends nothing or cannot be reached
+The connector sends and receives for that (at tensor_parallel_size 1; a tensor-parallel worker
+neither fetches nor exports yet).
 
 Threading: single-threaded; call every method from one thread (engine/loop.py runs it).
 """
@@ -22,7 +30,8 @@ from pathlib import Path
 from engine.core import EngineCore, resolve_model
 from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
-from engine.outputs import RequestOutput
+from engine.outputs import PrefixExport, PrefixFetch, RequestOutput
+from kv_transfer import prefix
 from kv_transfer.config import TransferConfig
 from kv_transfer.tp_connector import make_connector
 from kv_transfer.descriptor import DestinationDescriptor
@@ -30,14 +39,15 @@ from prefill_worker.types import PrefillResult, PrefillTask
 
 
 class PrefillWorker:
-    CALLS = ("submit", "cancel", "kv_events")  # what a remote caller may run (engine/async_worker.py)
+    CALLS = ("submit", "cancel", "kv_events", "export_prefix", "abandon_fetch")  # what a remote caller may run (engine/async_worker.py)
 
     def __init__(self, model: str | Path, *, transport: str = "nixl", transfer_config: TransferConfig | None = None,
                  model_id: str | None = None, transport_kwargs: dict | None = None, **engine_kwargs) -> None:
         engine_kwargs.setdefault("detokenize", False)
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
         self.connector = make_connector(transport, transfer_config, model_id=model_id or resolve_model(model).name,
-                                        send=True, transport_kwargs=transport_kwargs,
-                                        tensor_parallel_size=engine_kwargs.get("tensor_parallel_size", 1))
+                                        send=True, receive=tp == 1, transport_kwargs=transport_kwargs,
+                                        tensor_parallel_size=tp)
         self.core = EngineCore(model, kv_connector=self.connector, **engine_kwargs)
         self._init_state()
 
@@ -49,7 +59,7 @@ class PrefillWorker:
         weights, the KV cache and its cached prefixes stay; EngineCore.set_kv_connector)."""
         self = cls.__new__(cls)
         self.connector = make_connector(transport, transfer_config, model_id=core.model_dir.name, send=True,
-                                        transport_kwargs=transport_kwargs)
+                                        receive=True, transport_kwargs=transport_kwargs)
         core.set_kv_connector(self.connector, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, detokenize=False)
         self.core = core
@@ -61,15 +71,32 @@ class PrefillWorker:
         self._stops: dict[str, list[str]] = {}  # each request's stop strings: the first token's text honours them
 
     # ---- intake ---------------------------------------------------------------------------
-    def submit(self, task: PrefillTask) -> None:
-        """Queue a prefill. Raises ValueError (nothing queued) if the request is invalid."""
+    def submit(self, task: PrefillTask) -> PrefixFetch | None:
+        """Queue a prefill. Raises ValueError (nothing queued) if the request is invalid. With
+        `task.remote_prefix`, answers where the holder sends the prefix (None: nothing to fetch,
+        the whole prompt is computed or found here)."""
         if not task.destinations:
             raise ValueError("PrefillTask.destinations must hold at least one descriptor")
         dests = [d if isinstance(d, DestinationDescriptor) else DestinationDescriptor.from_bytes(d)
                  for d in task.destinations]
         first_token_only = dataclasses.replace(task.params, max_tokens=1, stop=[])
-        self.core.add(self.core.make_request(task.prompt_token_ids, first_token_only, task.request_id, dests))
+        req = self.core.make_request(task.prompt_token_ids, first_token_only, task.request_id, dests)
+        fetch = None
+        if task.remote_prefix is None:
+            self.core.add(req)
+        else:
+            fetch = prefix.fetch_of(task.request_id, self.core.add_fetching(req, task.remote_prefix.num_pages))
         self._stops[task.request_id] = list(task.params.stop)
+        return fetch
+
+    def export_prefix(self, fetch: PrefixFetch, prompt_token_ids: list[int]) -> PrefixExport:
+        """Send a peer the cached pages it asked for (its PrefixFetch): pinned and sending when
+        this returns, or fewer (possibly none) when the prefix cache no longer holds them."""
+        return prefix.export(self.core, fetch, prompt_token_ids)
+
+    def abandon_fetch(self, request_id: str) -> bool:
+        """Compute a fetching request's whole prompt instead (its holder sends nothing)."""
+        return self.core.abandon_fetch(request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Stop a prefill at any stage: dequeue it, or fail its transfer (pages come back when

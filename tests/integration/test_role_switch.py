@@ -78,7 +78,8 @@ def test_busy_engine_refuses_to_switch_and_colocated_round_trip(tiny_model):
             got += [t for out in w.step() for t in out.new_token_ids]
         assert got == want[0]
         p = PrefillWorker.over(w.core, transport="grpc")    # colocated -> prefill (sends over gRPC)
-        assert p.core.connector is not None and p.core.connector.roles == (True, False)
+        # sends its prefills' KV, and receives too: a prefix fetched from a peer (engine/prefix_fetch.py)
+        assert p.core.connector is not None and p.core.connector.roles == (True, True)
         back = DecodeWorker.over(p.core, transport=None)    # -> colocated again: the connector closed
         assert back.core.connector is None
         back.admit("again", prompts[0], GREEDY)

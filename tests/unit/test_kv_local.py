@@ -307,3 +307,35 @@ def test_write_token_run_into_a_head_slice_matches_token_by_token(ps, heads, pag
             want[page_ids[p // ps], :, p % ps, lo:hi] = data[:, t]
         write_token_run(layer, page_ids, dst, start, data, src)
         assert torch.equal(layer, want), (start, n)
+
+
+def test_partial_receive_takes_the_first_whole_pages_only():
+    """A prefix fetch's receive (`expect(partial=True)`): the sender may fill only the first
+    whole pages of the descriptor, and the request is then done with those; a plain receive
+    refuses the same cut, and a partial one refuses a cut that is not whole leading pages."""
+    src, dst = pool(16, seed=3), pool(16)
+    hub = LocalHub()
+    recv = LocalReceiver(dst, None, hub=hub)
+    sender = LocalSender(src, None, hub=hub)
+    desc = recv.expect("p", [20, 21, 22, 23], 64, partial=True)
+    cut = DestinationDescriptor("p", desc.transport, desc.endpoint, desc.page_ids[:2], 32, desc.layout, desc.compat)
+    assert sender.start("p", [cut], [5, 6], 32).state == TransferState.WAITING
+    for layer in range(3):
+        sender.send_layer("p", layer)
+    sender.finish("p", -1, 32)
+    status = recv.wait("p", 5)
+    assert status.state == TransferState.DONE and status.prompt_len == 32
+    assert torch.equal(reference_tokens(dst, [20, 21], 32), reference_tokens(src, [5, 6], 32))
+    recv.take("p")
+
+    recv.expect("q", [10, 11], 32)
+    cut = DestinationDescriptor("q", desc.transport, desc.endpoint, (10,), 16, desc.layout, desc.compat)
+    assert sender.start("q", [cut], [5], 16).state == TransferState.FAILED
+    plain = recv.status("q")
+    assert plain.state == TransferState.FAILED and "differ from the published descriptor" in plain.error
+    for pages, n in (([11], 16), ([10], 8)):  # not the leading page; not a whole page
+        recv.expect("r", [10, 11], 32, partial=True)
+        cut = DestinationDescriptor("r", desc.transport, desc.endpoint, tuple(pages), n, desc.layout, desc.compat)
+        assert sender.start("r", [cut], [5], n).state == TransferState.FAILED
+        assert recv.status("r").state == TransferState.FAILED
+    assert recv.tracked_pages() == [] and sender.tracked_pages() == []
