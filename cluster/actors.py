@@ -106,6 +106,7 @@ class RouterActor:
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
                                    tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None,
                                    worker_timeout_s=r.worker_timeout_s, spares=spare_ids(cfg),
+                                   fetch_min_pages=r.fetch_min_pages,
                                    http_limits=HttpLimits(r.http_max_body_bytes, r.http_header_timeout_s,
                                                           r.http_body_timeout_s, r.http_keep_alive_s,
                                                           r.http_max_connections))

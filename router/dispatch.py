@@ -68,7 +68,7 @@ import grpc
 
 from decode_worker.types import DecodeStage
 from engine.block_hash import page_hashes
-from engine.outputs import Resume
+from engine.outputs import RemotePrefix, Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
@@ -106,6 +106,7 @@ class RequestStats:
     attempts: int = 0
     migrations: int = 0  # decode workers lost under the request, whose stream continued elsewhere
     kv_bytes: int = 0  # KV moved prefill -> decode: destination pages x bytes per page, all layers
+    fetched_tokens: int = 0  # prompt tokens the prefill worker fetched from a peer's cache (not computed)
 
 
 @dataclass(slots=True)
@@ -140,7 +141,8 @@ class _DecodeLost(Exception):
 class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
-                 migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None) -> None:
+                 migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None,
+                 fetch_min_pages: int = 0) -> None:
         """`kv_index`: the cluster's KV index, fed from every worker's KV events at each load
         refresh (router/kv_index.py); None: no events are pulled."""
         if not decodes:
@@ -179,6 +181,12 @@ class Dispatcher:
         self._silent_since: dict[str, float] = {}       # unresponsive workers: since when they answer nothing
         self._retiring: set[str] = set()                # workers being drained for removal (scale-in)
         self.kv_index = kv_index
+        # prefix fetch (issue 37): fetch a prompt's cached leading pages from the worker that holds
+        # at least this many more of them than the chosen prefill worker (0: never fetch)
+        self.fetch_min_pages = fetch_min_pages
+        self.fetch_timeout_s = 10.0
+        self.fetch_counts = {"fetched": 0, "recomputed": 0}
+        self.fetched_tokens = 0
         self._kv_sync = KVIndexSync(kv_index) if kv_index is not None else None
 
     # ---- loads ----------------------------------------------------------------------------
@@ -486,6 +494,49 @@ class Dispatcher:
             if not live.done:
                 self._abort_later(live)
 
+    def _fetch_source(self, pview: WorkerView, req: PreparedRequest) -> tuple[str, int] | None:
+        """(the worker, its leading pages of the prompt) to fetch the prompt's prefix from
+        instead of computing it on `pview`: the serving worker, by the exact KV index, that
+        holds the most leading pages, when it holds at least `fetch_min_pages` more than
+        `pview` does (colocated workers have no connector: neither side). None: compute it."""
+        index = self.kv_index
+        if index is None or not self.fetch_min_pages or not index.exact(pview.worker_id):
+            return None
+        have = index.matched_pages(pview.worker_id, req.block_hashes)
+        best = None
+        for wid, view in self.views.items():
+            if wid == pview.worker_id or view.role == "colocated" or view.state != "serving" or not index.exact(wid):
+                continue
+            n = index.matched_pages(wid, req.block_hashes)
+            if n - have >= self.fetch_min_pages and (best is None or n > best[1]):
+                best = (wid, n)
+        return best
+
+    async def _fetch(self, requester: WorkerHandle, holder_id: str, fetch, prompt: list[int]) -> int:
+        """Have `holder_id` send the prefix `fetch` asks for into the requester's pages; when it
+        sends nothing (its pages evicted meanwhile, lost, an error), the requester computes the
+        whole prompt instead. Returns the prompt tokens fetched (the client sees no difference)."""
+        holder = self.handles.get(holder_id)
+        sent, why = 0, "the holder left placement"
+        if holder is not None:
+            try:
+                exp = await asyncio.wait_for(holder.export_prefix(fetch, prompt), self.fetch_timeout_s)
+                sent, why = exp.num_tokens, exp.error or "its cache no longer holds the pages"
+            except Exception as exc:  # lost, fenced, timed out: recompute
+                why = f"{type(exc).__name__}: {_first_line(exc)}"
+        if sent > 0:
+            self.fetch_counts["fetched"] += 1
+            self.fetched_tokens += sent
+            return sent
+        self.fetch_counts["recomputed"] += 1
+        log.info("prefix fetch of %s from %s: nothing sent (%s); computing the prompt instead", fetch.request_id,
+                 holder_id, why)
+        try:
+            await requester.abandon_fetch(fetch.request_id)
+        except Exception as exc:  # the requester is gone: its result says so
+            log.warning("abandon_fetch of %s on %s: %s", fetch.request_id, requester.worker_id, _first_line(exc))
+        return 0
+
     def _expect_conversation(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
         """The decode worker now caches the full pages of prompt + answer (all but the last
         token, whose KV is never computed): the next turn of a conversation, whose prompt starts
@@ -569,10 +620,14 @@ class Dispatcher:
             if not stats.prefill_start:
                 stats.prefill_start = time.monotonic()
             prefill_lost = False
+            source = self._fetch_source(pview, req) if resume is None else None
             try:
                 # every decode rank's descriptor: the prefill worker sends each rank its KV heads
-                task = PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors))
-                result = await prefill.submit(task)
+                task = PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors),
+                                   remote_prefix=RemotePrefix(source[1]) if source else None)
+                async def fetch_from_holder(fetch, holder=source[0] if source else ""):
+                    stats.fetched_tokens = await self._fetch(prefill, holder, fetch, prompt)
+                result = await prefill.submit(task, fetch_from_holder if source else None)
             except ValueError as exc:
                 raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
             except Exception as exc:  # the worker died or its actor is gone: retryable

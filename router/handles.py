@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from decode_worker.types import Admission, DecodeOutput
@@ -109,10 +109,25 @@ class WorkerHandle:
             self._queues.pop(request_id, None)
 
     # ---- prefill workers ------------------------------------------------------------------
-    async def submit(self, task: PrefillTask) -> PrefillResult:
-        """Prefill a request; returns once its first token is sampled (or it failed)."""
-        await self._open(task.request_id, "submit", task)
+    async def submit(self, task: PrefillTask, on_fetch: Callable[[Any], Awaitable[None]] | None = None
+                     ) -> PrefillResult:
+        """Prefill a request; returns once its first token is sampled (or it failed). With
+        `task.remote_prefix` the worker answers where a holder is to send the prefix (an
+        engine.outputs.PrefixFetch, or None when it has nothing to fetch): `on_fetch(fetch)` is
+        awaited then (the router has the holder send it, or the worker compute it all)."""
+        fetch = await self._open(task.request_id, "submit", task)
+        if fetch is not None and on_fetch is not None:
+            await on_fetch(fetch)
         return await self.next_output(task.request_id)
+
+    # ---- a prefix fetch's other calls (any role) ------------------------------------------
+    async def export_prefix(self, fetch: Any, prompt_token_ids: list[int]) -> Any:
+        """As the holder: pin the cached pages `fetch` asks for and send them (engine.outputs.PrefixExport)."""
+        return await self.remote.call("call", "export_prefix", fetch, prompt_token_ids)
+
+    async def abandon_fetch(self, request_id: str) -> bool:
+        """As the requester: compute the whole prompt instead (the holder sends nothing)."""
+        return await self.remote.call("call", "abandon_fetch", request_id)
 
     # ---- any worker -----------------------------------------------------------------------
     async def cancel(self, request_id: str) -> bool:

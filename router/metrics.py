@@ -126,9 +126,27 @@ class GcCollector(Collector):
         yield from (count, secs, longest, frozen)
 
 
+class FetchCollector(Collector):
+    """Prefix fetches the router drove (router.dispatch.Dispatcher.fetch_counts), read at scrape time."""
+
+    def __init__(self, dispatcher) -> None:
+        self._d = dispatcher
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        fetches = CounterMetricFamily("pdcluster_kv_fetches", "prompt prefixes a prefill worker was to fetch from a "
+                                      "peer's cache: fetched, or recomputed (the holder sent nothing)",
+                                      labels=["outcome"])
+        for outcome, n in self._d.fetch_counts.items():
+            fetches.add_metric([outcome], n)
+        tokens = CounterMetricFamily("pdcluster_kv_fetched_tokens", "prompt tokens fetched from a peer's cache "
+                                     "instead of computed")
+        tokens.add_metric([], self._d.fetched_tokens)
+        yield from (fetches, tokens)
+
+
 class RouterMetrics:
     def __init__(self, views: Callable[[], Mapping[str, WorkerView]] | None = None,
-                 kv_index: KVIndex | None = None) -> None:
+                 kv_index: KVIndex | None = None, dispatcher=None) -> None:
         self.registry = r = CollectorRegistry()
         h = lambda name, doc: Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
         self.ttft = h("pdcluster_request_ttft_seconds", "arrival to the first token sent")
@@ -150,6 +168,8 @@ class RouterMetrics:
         r.register(GcCollector(views))
         if kv_index is not None:
             r.register(KVIndexCollector(kv_index, views))
+        if dispatcher is not None:
+            r.register(FetchCollector(dispatcher))
 
     def asgi_app(self):
         """An ASGI app serving the Prometheus text at GET /metrics (router.server serves it, with

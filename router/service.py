@@ -125,7 +125,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         # cancel landing there would end the call with no status, so a drain stops them when they resume
         self._at_yield: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Task] = set()
-        self.metrics = RouterMetrics(lambda: dispatcher.views, dispatcher.kv_index)
+        self.metrics = RouterMetrics(lambda: dispatcher.views, dispatcher.kv_index, dispatcher)
         self.pool_targets: PoolTargets | None = None  # set where something owns the workers (a Ray cluster)
 
     async def Generate(self, request: pb.GenerateRequest | BadRequest, context: grpc.aio.ServicerContext):
