@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated arm (default 2)")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
+    p.add_argument("--fetch-min-pages", type=int, default=0,
+                   help="the disaggregated arm's router.fetch_min_pages: its prefill worker fetches a turn's cached "
+                        "leading pages from the worker holding at least this many more (the decode worker, for the "
+                        "last answer) instead of computing them; 0 (default): never")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="the disaggregated arm's decode pool prefills a prompt whose uncached part there is under "
                         "this many tokens itself (engine.local_prefill_threshold); default: the config's (0, never)")
@@ -98,6 +102,8 @@ def _settle(args: argparse.Namespace) -> None:
     for key in ("window_s", "time_scale"):
         if not getattr(args, key) > 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be > 0, got {getattr(args, key)}")
+    if args.fetch_min_pages < 0:
+        raise SystemExit(f"--fetch-min-pages must be >= 0, got {args.fetch_min_pages}")
     if args.local_prefill_threshold is not None and args.local_prefill_threshold < 0:
         raise SystemExit(f"--local-prefill-threshold must be >= 0, got {args.local_prefill_threshold}")
     if args.workload == "mooncake":
@@ -120,8 +126,12 @@ def _config(arm: str, policy: str, args: argparse.Namespace):
     if arm == "disaggregated":
         if args.local_prefill_threshold is not None:  # a decode pool's setting: the prefill pool ignores it
             engine["local_prefill_threshold"] = args.local_prefill_threshold
-        return ClusterConfig.embedded(model=args.model, prefill=1, decode=1, transport=args.transport, port=0,
-                                      policy=policy, engine=engine)
+        cfg = ClusterConfig.embedded(model=args.model, prefill=1, decode=1, transport=args.transport, port=0,
+                                     policy=policy, engine=engine)
+        if args.fetch_min_pages:
+            cfg = cfg.model_copy(update={"router": cfg.router.model_copy(
+                update={"fetch_min_pages": args.fetch_min_pages})})
+        return cfg
     return ClusterConfig.embedded(model=args.model, decode=args.colocated_workers, mode="colocated",
                                   transport=args.transport, port=0, policy=policy, engine=engine)
 
