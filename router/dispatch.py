@@ -627,7 +627,7 @@ class Dispatcher:
                                    remote_prefix=RemotePrefix(source[1]) if source else None)
                 async def fetch_from_holder(fetch, holder=source[0] if source else ""):
                     stats.fetched_tokens = await self._fetch(prefill, holder, fetch, prompt)
-                result = await prefill.submit(task, fetch_from_holder if source else None)
+                result = await (prefill.submit(task, fetch_from_holder) if source else prefill.submit(task))
             except ValueError as exc:
                 raise RequestError(f"prefill worker {pview.worker_id} refused the request: {exc}") from exc
             except Exception as exc:  # the worker died or its actor is gone: retryable
