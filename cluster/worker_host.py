@@ -172,10 +172,6 @@ class HostedWorker:
                              f"not {name!r}")
         return getattr(self._worker, name)
 
-    @property
-    def role(self) -> str:
-        return self._spec.role
-
     def switch_role(self, role: str, engine) -> float:
         """Become a worker of `role` with the engine settings `engine` (a destination pool's)
         without a new process: the engine's weights, KV cache and cached prefixes stay, its
