@@ -49,6 +49,9 @@ SECTION_NOTES: dict[str, str] = {
     "AutoscalePool": "The range of serving workers the planner keeps one pool in (key: the pool's name).",
     "SloSettings": "The latency objective: TTFT and ITL at a percentile, over the router's requests of the fast "
                    "loop's window.",
+    "KVStoreSettings": "The KV store (docs/kv-cache.md): one per node, in host memory registered with the KV "
+                       "transport, below the workers' prefix caches. The pages of finished requests go there; a "
+                       "worker fetches a prompt's cached prefix from it instead of computing it. On by default.",
     "EngineSettings": "The inference engine of each replica of a pool. Settings whose description starts "
                       "with \"Decode pools\" act on decode workers only.",
 }
