@@ -47,7 +47,7 @@ class RouterActor:
     cancelled, their pages freed) before serving again on the ports it is given."""
 
     def __init__(self, config, prefills: list[tuple[str, str, object]], decodes: list[tuple[str, str, str, object]],
-                 index: int = 0, max_replicas: int = 16) -> None:
+                 index: int = 0, max_replicas: int = 16, stores: list[tuple[str, object]] = ()) -> None:
         import uuid
 
         gc_pauses()  # time this process's garbage collections from the start
@@ -56,6 +56,7 @@ class RouterActor:
         normal_priority()
         self.config = config
         self.prefills, self.decodes = prefills, decodes
+        self.stores = list(stores)  # [(store id, actor)]: the nodes' KV stores (cluster.store_host)
         self.index = index
         self.identity = f"router-{index}"
         self.incarnation = uuid.uuid4().hex[:8]
@@ -98,6 +99,7 @@ class RouterActor:
         prefix = f"{self.identity}/{self.incarnation}"
         prefills = [WorkerHandle(RayActor(a), wid, pool, "prefill", prefix) for wid, pool, a in self.prefills]
         decodes = [WorkerHandle(RayActor(a), wid, pool, role, prefix) for wid, pool, role, a in self.decodes]
+        stores = [WorkerHandle(RayActor(a), sid, "kv-store", "store", prefix) for sid, a in self.stores]
         self.server = build_router(cfg.model, prefills, decodes, host=r.host, port=port, policy=r.policy,
                                    hash_page_size=cfg.hash_page_size, max_model_len=cfg.max_model_len,
                                    max_inflight=r.max_inflight, max_queue=r.max_queue,
@@ -106,7 +108,7 @@ class RouterActor:
                                    access=Access(tuple(r.api_keys), r.open_health, r.open_metrics),
                                    tls=Tls(r.tls_cert, r.tls_key, r.tls_client_ca) if r.tls_cert else None,
                                    worker_timeout_s=r.worker_timeout_s, spares=spare_ids(cfg),
-                                   fetch_min_pages=r.fetch_min_pages,
+                                   fetch_min_pages=r.fetch_min_pages, stores=stores,
                                    http_limits=HttpLimits(r.http_max_body_bytes, r.http_header_timeout_s,
                                                           r.http_body_timeout_s, r.http_keep_alive_s,
                                                           r.http_max_connections))

@@ -205,11 +205,12 @@ class RouterSettings(_Strict):
                                                 "outputs are ignored and it is taken back after a clean warm-up; "
                                                 "a router that answers nothing to the cluster's supervisor "
                                                 "for this long is killed, and Ray restarts it")
-    fetch_min_pages: int = Field(0, ge=0, le=100000,
-                                 description="prefix fetch: a prefill worker fetches a prompt's cached leading pages "
-                                             "from the worker (prefill or decode) that holds at least this many "
-                                             "more of them, by the router's KV index, instead of computing them; a "
-                                             "fetch that fails is computed instead; 0: never fetch")
+    fetch_min_pages: int = Field(1, ge=0, le=100000,
+                                 description="prefix fetch: a prefill worker takes a prompt's cached leading pages "
+                                             "from a node's KV store or another worker that holds at least this "
+                                             "many more of them (by the router's KV index) when moving them is "
+                                             "estimated faster than computing them; a fetch that fails is computed "
+                                             "instead; 0: never fetch")
     request_log: str | None = Field(None, description="one JSON line per finished or failed request (ids, workers, "
                                                       "tokens, timings, error): a file path on the router's host, "
                                                       "- for the router's standard error, null: off")

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transport", choices=("nixl", "grpc"), default="nixl")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--kv-store-size", default="auto",
+                        help="the node's KV store: auto (the default), bytes with a unit (512MiB), or 0 (off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,10 +52,15 @@ def run(args: argparse.Namespace) -> int:
     engine = dict(max_model_len=2048, max_num_seqs=16) if chat else None
     cfg = ClusterConfig.embedded(model=model, transport=args.kv_transport, port=0, engine=engine,
                                  num_cpus="machine")  # the workers use the machine they run on
+    cfg = cfg.model_copy(update={"kv_store": cfg.kv_store.model_copy(update={"size": args.kv_store_size})})
+    cfg = ClusterConfig.model_validate(cfg.model_dump())  # (the size checked)
     t0 = time.perf_counter()
     cluster = Cluster(cfg)
     channel = None
-    print(f"starting a local cluster: {model}, 1 prefill + 1 decode worker, KV over {args.kv_transport}", flush=True)
+    store = (f", a KV store of {cfg.kv_store.size_bytes() / 2**20:.0f} MiB" if cfg.kv_store.enabled
+             else ", no KV store")
+    print(f"starting a local cluster: {model}, 1 prefill + 1 decode worker, KV over {args.kv_transport}{store}",
+          flush=True)
     try:
         addr = cluster.start()
         print(f"SERVING on {addr} after {time.perf_counter() - t0:.1f}s\n", flush=True)

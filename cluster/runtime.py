@@ -61,6 +61,7 @@ class Cluster(PoolScaling):
     metrics_url: str = ""               # router 0's Prometheus endpoint; "" when router.metrics_port is None
     http_url: str = ""                  # router 0's OpenAI-compatible API (routes under /v1); "" when off
     routers: list[RouterRecord] = field(default_factory=list)
+    stores: list = field(default_factory=list)  # [(store id, actor)]: one KV store per node (cluster.store_host)
     router_return_timeout_s: float = 60.0  # a lost router not serving again within this is a failure
     watch_interval_s: float = 0.5
     on_event: Callable[[str], None] | None = None  # told of a router's loss, return or failure (one line each)
@@ -156,6 +157,9 @@ class Cluster(PoolScaling):
                     self.workers[-1].own_pg = True
                 self._pool_started(pool, n)
             self._await_ready(deadline)
+            from cluster.store_host import start_stores
+
+            self.stores = start_stores(cfg, local, self._kv_secret, max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
             # the routers run on this node (where `pdcluster serve` runs: the head of a KubeRay
@@ -166,7 +170,7 @@ class Cluster(PoolScaling):
                 actor = ray.remote(RouterActor).options(num_cpus=cfg.router.num_cpus, name=f"pdcluster-{name}",
                                                         max_concurrency=10000, scheduling_strategy=here,
                                                         max_restarts=cfg.router.max_restarts).remote(
-                    cfg, prefills, decodes, i, self.max_replicas)
+                    cfg, prefills, decodes, i, self.max_replicas, self.stores)
                 self.routers.append(RouterRecord(name, actor))
             for r in self.routers:
                 # one after another: each router's warm-up runs requests named after the worker pair
@@ -390,6 +394,13 @@ class Cluster(PoolScaling):
             ray.get(closes, timeout=20)
         except Exception as exc:
             log.warning("worker close: %s", exc)
+        for _, store in self.stores:
+            try:
+                ray.get(store.close.remote(), timeout=10)
+            except Exception as exc:
+                log.warning("KV store close: %s", _first_line(exc))
+            ray.kill(store)
+        self.stores = []
         for w in self.workers:
             if w.actor is not None:
                 ray.kill(w.actor)

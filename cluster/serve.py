@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     parser.add_argument("--policy", choices=("round-robin", "least-loaded", "prefix-aware"))
     parser.add_argument("--address", help="Ray address to join (default: start a local cluster on 127.0.0.1)")
+    parser.add_argument("--kv-store-size", help="each node's KV store (docs/kv-cache.md): auto (1/16 of the node's "
+                                                "memory, at most 4 GiB; the default), bytes with a unit (512MiB, "
+                                                "2GiB), or 0 (off)")
     eng = parser.add_argument_group("engine settings of every pool (override the config's)")
     eng.add_argument("--dtype", help="weights and KV cache dtype: float32, bfloat16, float16 (default: float32 on "
                                      "CPU, bfloat16 on GPU)")
@@ -116,6 +119,8 @@ def load_config(args: argparse.Namespace):
             for p in cfg.pools]
     if args.kv_transport:
         updates["transport"] = cfg.transport.model_copy(update={"kind": args.kv_transport})
+    if getattr(args, "kv_store_size", None) is not None:
+        updates["kv_store"] = {**cfg.kv_store.model_dump(), "size": args.kv_store_size}
     def dump(v):
         if isinstance(v, list):
             return [dump(x) for x in v]

@@ -23,11 +23,13 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
                  limits: FrontendLimits | None = None, warm_up: bool = False,
                  http_port: int | None = None, access: Access | None = None, tls: Tls | None = None,
                  worker_timeout_s: float = 10.0, spares: Sequence[str] = (),
-                 http_limits: HttpLimits | None = None, fetch_min_pages: int = 0) -> RouterServer:
+                 http_limits: HttpLimits | None = None, fetch_min_pages: int = 0,
+                 stores: Sequence[WorkerHandle] = ()) -> RouterServer:
     """`http_limits`: the HTTP door's (router.http_server.HttpLimits; its max_body_bytes None:
     derived from the largest gRPC request, `FrontendLimits.request_bytes(max_model_len)`).
     `fetch_min_pages`: a prefill worker fetches a prompt's cached leading pages from the worker
-    that holds at least this many more of them (0: never; router.dispatch.Dispatcher)."""
+    that holds at least this many more of them (0: never; router.dispatch.Dispatcher).
+    `stores`: the nodes' KV stores (router/kv_tier.py)."""
     from engine.config import ModelConfig
 
     frontend = Frontend.from_model(model, hash_page_size=hash_page_size, max_model_len=max_model_len, limits=limits)
@@ -36,7 +38,7 @@ def build_router(model: str | Path, prefills: Sequence[WorkerHandle], decodes: S
     dispatcher = Dispatcher(prefills, decodes, make_policy(policy, hash_page_size, kv_index),
                             max_prefill_attempts=max_prefill_attempts, migration_limit=migration_limit,
                             migration_wait_s=migration_wait_s, worker_timeout_s=worker_timeout_s, spares=spares,
-                            kv_index=kv_index, fetch_min_pages=fetch_min_pages)
+                            kv_index=kv_index, fetch_min_pages=fetch_min_pages, stores=stores)
     eos = list(cfg.eos_token_ids) or ([frontend.tokenizer.eos_token_id] if frontend.tokenizer.eos_token_id is not None else [])
     service = InferenceService(frontend, dispatcher, model_id=frontend.model_dir.name, architecture=cfg.architecture,
                                eos_token_ids=eos, max_inflight=max_inflight, max_queue=max_queue)

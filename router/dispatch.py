@@ -73,7 +73,9 @@ from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
 from router.handles import WorkerHandle, WorkerUnresponsive
+from router.fetch_rule import FetchCosts, choose
 from router.kv_index import KVIndex, KVIndexSync
+from router.kv_tier import KVTier
 from router.pair_calls import WARM_UP_PROMPT, admitted as _admitted, cancel_pair, first_line as _first_line, warm_pair
 from router.policy import PlacementPolicy, WorkerView
 
@@ -142,9 +144,10 @@ class Dispatcher:
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
                  migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None,
-                 fetch_min_pages: int = 0) -> None:
+                 fetch_min_pages: int = 0, stores: Sequence[WorkerHandle] = ()) -> None:
         """`kv_index`: the cluster's KV index, fed from every worker's KV events at each load
-        refresh (router/kv_index.py); None: no events are pulled."""
+        refresh (router/kv_index.py); None: no events are pulled. `stores`: the nodes' KV stores
+        (router/kv_tier.py; they need the index)."""
         if not decodes:
             raise ValueError("the router needs at least one decode (or colocated) worker")
         self.prefills = {h.worker_id: h for h in prefills}
@@ -187,7 +190,11 @@ class Dispatcher:
         self.fetch_timeout_s = 10.0
         self.fetch_counts = {"fetched": 0, "recomputed": 0}
         self.fetched_tokens = 0
+        self.fetch_costs = FetchCosts()
         self._kv_sync = KVIndexSync(kv_index) if kv_index is not None else None
+        if stores and kv_index is None:
+            raise ValueError("stores need a kv_index (the router finds prefixes in them by it)")
+        self.tier = KVTier(stores, kv_index, self._kv_sync, self.fetch_costs) if stores else None
 
     # ---- loads ----------------------------------------------------------------------------
     async def refresh_loads(self, timeout_s: float = 2.0) -> None:
@@ -218,7 +225,8 @@ class Dispatcher:
             if not call.done() and silent >= self.worker_timeout_s and view.state in _WATCHED:
                 self._unresponsive(wid, silent)
 
-        await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()))
+        await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()),
+                             *([self.tier.refresh(timeout_s)] if self.tier is not None else []))
         await asyncio.sleep(0)  # the done callbacks of calls that just completed
 
     def _answer(self, wid: str, call: asyncio.Future) -> None:
@@ -486,6 +494,7 @@ class Dispatcher:
                     stats.finish_reason = out.finish_reason or "stop"
                     if resume is None:
                         self._expect_conversation(live, req, out.token_ids)
+                        self._offload(live, req, out.token_ids)
                     return
         finally:
             live.end_local_prefill()
@@ -495,29 +504,33 @@ class Dispatcher:
                 self._abort_later(live)
 
     def _fetch_source(self, pview: WorkerView, req: PreparedRequest) -> tuple[str, int] | None:
-        """(the worker, its leading pages of the prompt) to fetch the prompt's prefix from
-        instead of computing it on `pview`: the serving worker, by the exact KV index, that
-        holds the most leading pages, when it holds at least `fetch_min_pages` more than
-        `pview` does (colocated workers have no connector: neither side). None: compute it."""
+        """(the worker or store, its leading pages of the prompt) to fetch the prompt's prefix from
+        instead of computing it on `pview`, or None: compute it. Offers come from the nodes' KV
+        stores and the serving workers, by the exact KV index; router/fetch_rule.py weighs each
+        against computing its pages (`fetch_min_pages`: the fewest extra pages worth a fetch; 0:
+        never fetch). Colocated workers have no connector: neither side."""
         index = self.kv_index
         if index is None or not self.fetch_min_pages or not index.exact(pview.worker_id):
             return None
         have = index.matched_pages(pview.worker_id, req.block_hashes)
-        best = None
+        offers = self.tier.offers(req.block_hashes) if self.tier is not None else []
         for wid, view in self.views.items():
             if wid == pview.worker_id or view.role == "colocated" or view.state != "serving" or not index.exact(wid):
                 continue
             n = index.matched_pages(wid, req.block_hashes)
-            if n - have >= self.fetch_min_pages and (best is None or n > best[1]):
-                best = (wid, n)
-        return best
+            if n > have:
+                offers.append(self.fetch_costs.offer(wid, n))
+        best = choose(have, offers, index.page_size, self.fetch_costs.prefill_s_per_token,
+                      self.fetch_costs.overhead_s, self.fetch_min_pages)
+        return (best.holder, best.pages) if best is not None else None
 
     async def _fetch(self, requester: WorkerHandle, holder_id: str, fetch, prompt: list[int]) -> int:
         """Have `holder_id` send the prefix `fetch` asks for into the requester's pages; when it
         sends nothing (its pages evicted meanwhile, lost, an error), the requester computes the
         whole prompt instead. Returns the prompt tokens fetched (the client sees no difference)."""
-        holder = self.handles.get(holder_id)
+        holder = self.handles.get(holder_id) or (self.tier.handle(holder_id) if self.tier is not None else None)
         sent, why = 0, "the holder left placement"
+        t0 = time.monotonic()
         if holder is not None:
             try:
                 exp = await asyncio.wait_for(holder.export_prefix(fetch, prompt), self.fetch_timeout_s)
@@ -527,6 +540,9 @@ class Dispatcher:
         if sent > 0:
             self.fetch_counts["fetched"] += 1
             self.fetched_tokens += sent
+            size = self.kv_index.page_size if self.kv_index is not None else 0
+            if size:  # (the send goes on after the answer: this times the holder's side of it)
+                self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0)
             return sent
         self.fetch_counts["recomputed"] += 1
         log.info("prefix fetch of %s from %s: nothing sent (%s); computing the prompt instead", fetch.request_id,
@@ -536,6 +552,16 @@ class Dispatcher:
         except Exception as exc:  # the requester is gone: its result says so
             log.warning("abandon_fetch of %s on %s: %s", fetch.request_id, requester.worker_id, _first_line(exc))
         return 0
+
+    def _offload(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
+        """The decode worker holds the full pages of prompt + answer: its node's KV store takes a
+        copy of those it lacks, in the background (router/kv_tier.py)."""
+        view = self.views.get(live.decode.worker_id)
+        size = self.kv_index.page_size if self.kv_index is not None else 0
+        if self.tier is None or view is None or view.role != "decode" or not size or len(output) < 2:
+            return
+        tokens = list(req.prompt_token_ids) + list(output[:-1])
+        self.tier.offload(live.decode, view.node, live.worker_rid, tokens, size)
 
     def _expect_conversation(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
         """The decode worker now caches the full pages of prompt + answer (all but the last
@@ -645,6 +671,9 @@ class Dispatcher:
                 if not stats.first_token:
                     stats.first_token = time.monotonic()
                     stats.cached_prompt_tokens = result.num_cached_tokens
+                    if not stats.fetched_tokens:  # (a fetch's wait is not prefill time)
+                        self.fetch_costs.observe_prefill(len(prompt) - result.num_cached_tokens,
+                                                         stats.first_token - stats.prefill_start)
                 live.first_token = result.first_token
                 live.first_logprobs = result.first_logprobs
                 live.first_text = result.first_text if resume is None else ""  # resumed: its context differs
@@ -811,6 +840,8 @@ class Dispatcher:
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
+        if self.tier is not None:
+            await self.tier.close()
         if self._kv_sync is not None:
             await self._kv_sync.close()
         await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
