@@ -53,6 +53,12 @@ resumed worker replays the tokens through its detokenizer and stop checks, so te
 strings continue seamlessly too. With no decode worker left, the stream waits for a
 replacement (its client's deadline, or `migration_wait_s`). Past `migration_limit` losses the
 request ends with UNAVAILABLE naming the workers it lost.
+
+Where it lives: this module places and streams requests (the above, `Dispatcher`); the loads
+and health tracking (load refresh, unresponsive workers, spares, rejoining) are
+router/worker_health.py's `WorkerHealth`, and membership (the start-up warm-up, adding,
+retiring and removing workers at run time, the cleanup of cancels) router/membership.py's
+`Membership`: mixins `Dispatcher` inherits, working on the state its `__init__` sets.
 """
 from __future__ import annotations
 
@@ -72,14 +78,14 @@ from engine.outputs import RemotePrefix, Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
-from router.handles import WorkerHandle, WorkerUnresponsive
 from router.fetch_rule import FetchCosts, choose
+from router.handles import WorkerHandle
 from router.kv_index import KVIndex, KVIndexSync
 from router.kv_tier import KVTier
-from router.pair_calls import WARM_UP_PROMPT, admitted as _admitted, cancel_pair, first_line as _first_line, warm_pair
+from router.membership import Membership
+from router.pair_calls import admitted as _admitted, cancel_pair, first_line as _first_line
 from router.policy import PlacementPolicy, WorkerView
-
-_WATCHED = ("starting", "serving", "spare")  # the states that silence for worker_timeout_s ends
+from router.worker_health import WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +146,7 @@ class _DecodeLost(Exception):
         self.worker_id, self.cause = worker_id, cause
 
 
-class Dispatcher:
+class Dispatcher(WorkerHealth, Membership):
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
                  migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None,
@@ -195,176 +201,6 @@ class Dispatcher:
         if stores and kv_index is None:
             raise ValueError("stores need a kv_index (the router finds prefixes in them by it)")
         self.tier = KVTier(stores, kv_index, self._kv_sync, self.fetch_costs) if stores else None
-
-    # ---- loads ----------------------------------------------------------------------------
-    async def refresh_loads(self, timeout_s: float = 2.0) -> None:
-        """Keep one load call pending per worker and wait up to timeout_s for the answers of the
-        workers in (or waiting for) placement; a call still pending then is left running (the
-        worker is mid-step; see the module docstring). Answers are taken the moment they come
-        (`_answer`), so a replaced or woken worker is warmed up without waiting for a refresh."""
-        async def one(wid: str, handle) -> None:
-            view = self.views.get(wid)
-            if view is None or wid in self._retiring:  # removed (scale-in) since the refresh began, or leaving
-                return
-            lost = handle.take_lost()
-            if lost is not None and view.state not in ("dead", "replacing"):  # its output stream failed
-                self._out(view, "replacing", f"lost: {type(lost).__name__}: {_first_line(lost)}")
-            call = self._load_calls.get(wid)
-            if call is None:
-                call = self._load_calls[wid] = asyncio.ensure_future(handle.load())
-                call.add_done_callback(lambda c, wid=wid: self._answer(wid, c))
-            if view.state not in _WATCHED:  # out of placement: nothing to judge, nothing to wait for
-                return
-            calls = (call,) if self._kv_sync is None else (call, self._kv_sync.pull(wid, handle))
-            # judged the moment its worker_timeout_s runs out, whatever timeout_s is
-            wait = min(timeout_s, max(self._heard(wid) + self.worker_timeout_s - time.monotonic(), 0.0) + 0.01)
-            await asyncio.wait(calls, timeout=wait)
-            if wid not in self.views:
-                return
-            silent = time.monotonic() - self._heard(wid)
-            if not call.done() and silent >= self.worker_timeout_s and view.state in _WATCHED:
-                self._unresponsive(wid, silent)
-
-        await asyncio.gather(*(one(w, h) for w, h in {**self.prefills, **self.decodes}.items()),
-                             *([self.tier.refresh(timeout_s)] if self.tier is not None else []))
-        await asyncio.sleep(0)  # the done callbacks of calls that just completed
-
-    def _answer(self, wid: str, call: asyncio.Future) -> None:
-        """A worker's load call completed: its load, or why it is out of placement."""
-        if self._load_calls.get(wid) is call:
-            del self._load_calls[wid]
-        if call.cancelled() or wid not in self.views:  # the router is stopping, or the worker was removed
-            return
-        view, exc = self.views[wid], call.exception()
-        if wid in self._retiring or view.state == "warming":  # being added or removed: its state is the scaler's
-            if exc is None:
-                self._answered[wid] = time.monotonic()
-                view.load = call.result()
-                view.pid, view.node = view.load.pid, view.load.node
-            return
-        if exc is None:
-            self._answered[wid] = time.monotonic()
-            self._loaded(wid, view, call.result())
-        elif isinstance(exc, Exception):  # the worker's process or actor is gone: out of placement
-            # Ray says ActorUnavailableError while it restarts the worker's process, ActorDiedError
-            # once it gave up; anything else (its engine loop died in a live process) is dead too
-            state = "replacing" if type(exc).__name__ == "ActorUnavailableError" else "dead"
-            self._out(view, state, f"{type(exc).__name__}: {_first_line(exc)}")
-
-    def _heard(self, wid: str) -> float:
-        """When the worker last showed life: a load answer or an output (or the router's start)."""
-        return max(self._answered.get(wid, self._started), self.handles[wid].last_output, self._started)
-
-    def _unresponsive(self, wid: str, silent: float) -> None:
-        """It answered nothing for worker_timeout_s: out of placement, and every request open on
-        it fails now (its streams migrate, its prefills move): router.handles fences it."""
-        view = self.views[wid]
-        why = (f"unresponsive: no load answer and no output for {silent:.1f} s "
-               f"(worker_timeout_s={self.worker_timeout_s:g})")
-        self._silent_since[wid] = self._heard(wid)
-        self._out(view, "unresponsive", why)
-        failed = self.handles[wid].fence(WorkerUnresponsive(f"worker {wid} {why}"))
-        log.warning("worker %s is %s; %d request(s) open on it failed over", wid, why, failed)
-
-    def _lost(self, wid: str, exc: BaseException) -> None:
-        """Its output stream failed (its process is gone): out of placement at once."""
-        view = self.views.get(wid)
-        if view is None or wid in self._retiring:  # removed, or being removed: it stays out of placement
-            return
-        if view.state not in ("dead", "replacing"):
-            self._out(view, "replacing", f"lost: {type(exc).__name__}: {_first_line(exc)}")
-
-    def _out(self, view: WorkerView, state: str, error: str) -> None:
-        was = view.state
-        view.healthy, view.state, view.error, view.last_error = False, state, error[:300], error[:300]
-        if self.kv_index is not None and view.worker_id in self.kv_index.workers:
-            # a lost worker's cache went with its process; an unresponsive one's may have moved on
-            (self.kv_index.degrade if state == "unresponsive" else self.kv_index.drop)(view.worker_id, error)
-        if state == "dead":  # streams waiting for this worker's return give up
-            self._wake()
-        if was == "serving":
-            self._promote(view.pool)
-
-    def _serving_count(self, pool: str) -> int:
-        return sum(1 for v in self.views.values() if v.pool == pool and v.state == "serving")
-
-    def _promote(self, pool: str) -> None:
-        """Spares of `pool` take the places of its workers out of placement, at once."""
-        for v in self.views.values():
-            if self._serving_count(pool) >= self.serving_target[pool]:
-                return
-            if v.pool == pool and v.state == "spare":
-                self._serving(v)
-                log.warning("spare %s of pool %s promoted to serving", v.worker_id, pool)
-
-    def _fit(self, view: WorkerView) -> None:
-        """A worker fit for placement serves if its pool is short of serving workers, else it
-        stands by as a spare."""
-        if self._serving_count(view.pool) >= self.serving_target[view.pool]:
-            view.healthy, view.error, view.state = False, "", "spare"
-        else:
-            self._serving(view)
-
-    def _wake(self) -> None:
-        """Wake the streams waiting for a worker (_wait_for)."""
-        self._back.set()
-        self._back = asyncio.Event()
-
-    def _loaded(self, wid: str, view: WorkerView, load) -> None:
-        """A load answered. A worker answering from a new process (Ray restarted it) is warmed up
-        (its KV transfer handshakes done) before it is placed on again."""
-        view.load = load
-        if view.pid and load.pid and load.pid != view.pid:
-            view.restarts += 1
-            if view.state != "replacing":
-                self._out(view, "replacing", f"restarted: process {view.pid} -> {load.pid}")
-        view.pid, view.node = load.pid, load.node
-        if view.state in ("replacing", "dead", "unresponsive"):
-            if view.state == "unresponsive":
-                silent = time.monotonic() - self._silent_since.pop(wid, self._started)
-                view.last_error = view.error = (f"unresponsive for {silent:.1f} s (no load answer, no output; "
-                                                f"worker_timeout_s={self.worker_timeout_s:g}); warming up")
-            view.state = "replacing" if view.state == "dead" else view.state
-            if wid not in self._warming:
-                task = asyncio.get_running_loop().create_task(self._rejoin(wid))
-                self._warming[wid] = task
-                task.add_done_callback(lambda t, wid=wid: self._warming.pop(wid, None))
-            return
-        if view.state == "starting":  # its first answer
-            if wid in self.spares:
-                view.healthy, view.state = False, "spare"
-            else:
-                self._fit(view)
-        view.error = ""
-
-    def _serving(self, view: WorkerView) -> None:
-        view.healthy, view.error, view.state = True, "", "serving"
-        self._wake()
-
-    async def _rejoin(self, wid: str) -> None:
-        """A worker answering again (a new process, or one that was unresponsive): the cancels it
-        is owed first (their pages come back), then a warm-up through its pairs, then placement."""
-        view = self.views[wid]
-        t0 = time.monotonic()
-        try:
-            failed = await self.handles[wid].unfence()
-            if failed:
-                log.warning("worker %s: cancels of %d fenced request(s) failed: %s", wid, len(failed), failed[:4])
-            await self.warm_up(WARM_UP_PROMPT, only=wid)
-        except Exception as exc:
-            view.failed_rejoins += 1
-            # the first failure is retried by the next refresh at once; then a backoff
-            wait = 0.0 if view.failed_rejoins == 1 else min(2.0 ** (view.failed_rejoins - 2), 30.0)
-            view.error = view.last_error = (f"warm-up after a restart failed {view.failed_rejoins} time(s), next try in "
-                                            f"{wait:g} s: {_first_line(exc)}")[:300]
-            if view.state == "unresponsive":  # the same process: tried again as one that is being replaced
-                view.state = "replacing"
-            await asyncio.sleep(wait)
-            return
-        view.failed_rejoins = 0
-        self._fit(view)
-        log.warning("worker %s is back (%s) after a %.2f s warm-up (restart %d)", wid, view.state,
-                    time.monotonic() - t0, view.restarts)
 
     def _candidates(self, ids, exclude=()) -> list[WorkerView]:
         return [self.views[w] for w in ids if w not in exclude and self.views[w].healthy]
@@ -696,155 +532,7 @@ class Dispatcher:
                                      f"to retry the prefill on (lost: {pview.worker_id})", list(self.prefills),
                                      "no healthy prefill worker")
 
-    # ---- start-up ---------------------------------------------------------------------------
-    async def warm_up(self, prompt_token_ids: list[int], timeout_s: float = 120.0, only: str | None = None) -> int:
-        """One greedy one-token request through every (prefill, decode) pair, so each pair's
-        transfer handshake (connection, compatibility check) is done before the router says
-        SERVING. Pairs run one after another (start-up is not latency-critical and a shared CPU
-        gains nothing from overlap). Colocated workers prefill locally and take no transfers, so
-        they are skipped. Raises RuntimeError naming the pair that failed; returns the number
-        of pairs warmed."""
-        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        def partner_ok(h: WorkerHandle) -> bool:  # warming one worker: with the partners fit for placement
-            return h.worker_id == only or self.views[h.worker_id].state in ("serving", "spare")
-
-        pairs = [(p, d) for p in self.prefills.values() for d in self.decodes.values() if d.role == "decode"
-                 and (only is None or (only in (p.worker_id, d.worker_id) and partner_ok(p) and partner_ok(d)))]
-        for prefill, decode in pairs:
-            rid = f"warm-up:{decode.channel}:{prefill.worker_id}->{decode.worker_id}"  # unique per router
-            try:
-                await asyncio.wait_for(self._warm_pair(prefill, decode, rid, prompt_token_ids, params), timeout_s)
-            except BaseException as exc:
-                await self._abort(decode, prefill, rid)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                raise RuntimeError(f"warm-up of {prefill.worker_id} -> {decode.worker_id} failed: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-        return len(pairs)
-
-    _warm_pair = staticmethod(warm_pair)
-
-    # ---- resizing pools at run time (cluster.runtime's scaler drives these) -------------------
-    async def add_worker(self, handle: WorkerHandle, timeout_s: float = 120.0) -> float:
-        """Take a new worker into placement: state `warming` (out of placement) while its first
-        load answers and one request runs through each of its pairs (a decode worker with every
-        serving prefill worker, a prefill worker with every serving decode worker, a colocated
-        worker by itself), then `serving`, the pool's serving target one larger. Returns the
-        seconds the warm-up took; raises (the worker stays out of placement) when it fails."""
-        wid = handle.worker_id
-        if wid in self.views:
-            raise ValueError(f"worker {wid} is already known to this router")
-        view = WorkerView(wid, handle.pool, handle.role, healthy=False, state="warming")
-        self.views[wid] = view
-        self.handles[wid] = handle
-        (self.prefills if handle.role == "prefill" else self.decodes)[wid] = handle
-        handle.on_lost = lambda exc, wid=wid: self._lost(wid, exc)
-        self.serving_target.setdefault(handle.pool, 0)
-        t0 = time.monotonic()
-        try:
-            view.load = await asyncio.wait_for(handle.load(), timeout_s)
-            view.pid, view.node = view.load.pid, view.load.node
-            self._answered[wid] = time.monotonic()
-            if handle.role == "colocated":
-                rid = f"warm-up:{handle.channel}:{wid}"
-                params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-                try:
-                    await asyncio.wait_for(self._warm_pair(None, handle, rid, WARM_UP_PROMPT, params), timeout_s)
-                except BaseException:
-                    await self._abort(handle, None, rid)
-                    raise
-            else:
-                await self.warm_up(WARM_UP_PROMPT, timeout_s, only=wid)
-        except BaseException as exc:
-            view.error = view.last_error = f"warm-up failed: {type(exc).__name__}: {_first_line(exc)}"[:300]
-            raise
-        self.serving_target[handle.pool] += 1
-        self._serving(view)
-        took = time.monotonic() - t0
-        log.warning("worker %s of pool %s added: serving after a %.2f s warm-up", wid, handle.pool, took)
-        return took
-
-    async def retire_worker(self, wid: str, grace_s: float = 30.0) -> dict:
-        """Drain a worker for removal: out of placement at once (state `draining`, the pool's
-        serving target one smaller, no spare promoted for it); its requests from this router
-        finish within `grace_s`; the decode streams still open then move to other decode
-        workers as a lost worker's do (same Resume path: identical tokens) and prefills still
-        running are retried elsewhere; their cancels go to the worker, so its pages come back.
-        Returns {"finished", "moved", "seconds"}. The worker stays known (state `draining`)
-        until `remove_worker`."""
-        view, handle = self.views[wid], self.handles[wid]
-        t0 = time.monotonic()
-        if wid not in self._retiring:
-            self._retiring.add(wid)
-            if view.state in ("serving", "warming") and self.serving_target.get(view.pool, 0) > 0 \
-                    and wid not in self.spares:
-                self.serving_target[view.pool] -= 1
-            view.healthy, view.state, view.error = False, "draining", "draining: being removed from its pool"
-        before = view.inflight
-        deadline = t0 + grace_s
-        while view.inflight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        moved = 0
-        if view.inflight > 0:  # the grace ran out: move them (a deliberate loss; owed cancels free the pages)
-            moved = handle.fence(WorkerUnresponsive(f"worker {wid} is being removed (scale-in): its grace of "
-                                                    f"{grace_s:g} s ran out"))
-            log.warning("worker %s: %d request(s) still open after the %.1f s grace moved to other workers",
-                        wid, moved, grace_s)
-            end = time.monotonic() + 30
-            while view.inflight > 0 and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-            failed = await handle.unfence()
-            if failed:
-                log.warning("worker %s: cancels of %d moved request(s) failed: %s", wid, len(failed), failed[:4])
-        return {"finished": max(before - moved, 0), "moved": moved, "seconds": time.monotonic() - t0}
-
-    async def remove_worker(self, wid: str) -> None:
-        """Forget a drained worker (retire_worker first): it is no longer watched or placed on."""
-        handle = self.handles.pop(wid, None)
-        if handle is None:
-            return
-        self.prefills.pop(wid, None)
-        self.decodes.pop(wid, None)
-        self.views.pop(wid, None)
-        self._retiring.discard(wid)
-        self._answered.pop(wid, None)
-        self._silent_since.pop(wid, None)
-        call = self._load_calls.pop(wid, None)
-        if call is not None:
-            call.cancel()
-        warming = self._warming.pop(wid, None)
-        if warming is not None:
-            warming.cancel()
-        handle.on_lost = None
-        if self._kv_sync is not None:
-            self._kv_sync.forget(wid)
-        await handle.close()
-        self._wake()
-
-    # ---- cleanup --------------------------------------------------------------------------
-    def _abort_later(self, live: _Live) -> None:
-        # The caller's task is being cancelled (client cancel, deadline): the cancels run in a
-        # task of their own so they finish whatever happens to the caller.
-        task = asyncio.get_running_loop().create_task(self._abort(live.decode, live.prefill, live.worker_rid))
-        self._cleanup.add(task)
-        task.add_done_callback(self._cleanup.discard)
-
-    _abort = staticmethod(cancel_pair)
-
-    async def drain_cleanup(self) -> None:
-        """Finish pending cancels, drop pending load calls and stop reading the workers' output
-        streams (the router is stopping)."""
-        if self._cleanup:
-            await asyncio.gather(*list(self._cleanup), return_exceptions=True)
-        calls, self._load_calls = list(self._load_calls.values()), {}
-        for call in calls:
-            call.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
-        if self.tier is not None:
-            await self.tier.close()
-        if self._kv_sync is not None:
-            await self._kv_sync.close()
-        await asyncio.gather(*(h.close() for h in {**self.prefills, **self.decodes}.values()), return_exceptions=True)
+    _abort = staticmethod(cancel_pair)  # also membership's (router.membership)
 
 
 def _remaining(params: SamplingParams, resume: Resume | None) -> SamplingParams:
