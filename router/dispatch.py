@@ -196,6 +196,7 @@ class Dispatcher(WorkerHealth, Membership):
         self.fetch_timeout_s = 10.0
         self.fetch_counts = {"fetched": 0, "recomputed": 0}
         self.fetched_tokens = 0
+        self.fetched_by_source = {"store": 0, "worker": 0}
         self.fetch_costs = FetchCosts()
         self._kv_sync = KVIndexSync(kv_index) if kv_index is not None else None
         if stores and kv_index is None:
@@ -376,6 +377,7 @@ class Dispatcher(WorkerHealth, Membership):
         if sent > 0:
             self.fetch_counts["fetched"] += 1
             self.fetched_tokens += sent
+            self.fetched_by_source["worker" if holder_id in self.handles else "store"] += sent
             size = self.kv_index.page_size if self.kv_index is not None else 0
             if size:  # (the send goes on after the answer: this times the holder's side of it)
                 self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0)

@@ -141,7 +141,35 @@ class FetchCollector(Collector):
         tokens = CounterMetricFamily("pdcluster_kv_fetched_tokens", "prompt tokens fetched from a peer's cache "
                                      "instead of computed")
         tokens.add_metric([], self._d.fetched_tokens)
-        yield from (fetches, tokens)
+        by_source = CounterMetricFamily("pdcluster_kv_fetched_tokens_by_source", "prompt tokens fetched instead of "
+                                        "computed, by where they came from: a node's KV store or a worker",
+                                        labels=["source"])
+        for source, n in self._d.fetched_by_source.items():
+            by_source.add_metric([source], n)
+        yield from (fetches, tokens, by_source)
+        tier = self._d.tier
+        if tier is None:
+            return
+        offloads = CounterMetricFamily("pdcluster_kv_store_offloads", "finished requests whose pages the router had "
+                                       "copied into their node's KV store: stored, skipped (all there already) or "
+                                       "failed", labels=["outcome"])
+        for outcome, n in tier.offloads.items():
+            offloads.add_metric([outcome], n)
+        offloaded = CounterMetricFamily("pdcluster_kv_store_offloaded_tokens", "tokens of KV copied into the stores")
+        offloaded.add_metric([], tier.offloaded_tokens)
+        pages = GaugeMetricFamily("pdcluster_kv_store_pages", "a KV store's pages: total, and free (not leased or "
+                                  "pinned; cached pages count as free)", labels=["store", "node", "kind"])
+        healthy = GaugeMetricFamily("pdcluster_kv_store_healthy", "1 while the store answers and is offered",
+                                    labels=["store", "node"])
+        hits = GaugeMetricFamily("pdcluster_kv_store_hit_rate", "tokens a store sent over the tokens asked of it",
+                                 labels=["store", "node"])
+        for sid, v in tier.stores.items():
+            healthy.add_metric([sid, v.node], 1.0 if v.healthy else 0.0)
+            if v.load is not None:
+                pages.add_metric([sid, v.node, "total"], v.load.total_pages)
+                pages.add_metric([sid, v.node, "free"], v.load.free_pages)
+                hits.add_metric([sid, v.node], v.load.prefix_cache_hit_rate)
+        yield from (offloads, offloaded, pages, healthy, hits)
 
 
 class RouterMetrics:

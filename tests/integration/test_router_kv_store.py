@@ -91,6 +91,10 @@ def test_turn_2_fetches_from_the_store(cluster, make_llm):
     assert disp.fetched_tokens == held * PAGE and last.usage.cached_prompt_tokens == held * PAGE
     assert disp.tier.offloads["stored"] >= 1 and store.stats()["exported_tokens"] == held * PAGE
     wait_until(lambda: index.blocks("kv-store-0") == set(store.kv.pool.cached_hashes()), what="index exact")
+    text = __import__("prometheus_client").generate_latest(server.service.metrics.registry).decode()
+    assert f'pdcluster_kv_fetched_tokens_by_source_total{{source="store"}} {held * PAGE}.0' in text
+    assert 'pdcluster_kv_store_healthy{node="",store="kv-store-0"} 1.0' in text
+    assert 'pdcluster_kv_store_offloads_total{outcome="stored"}' in text
 
 
 def test_a_store_that_fails_to_send_is_computed_instead(cluster, make_llm):
