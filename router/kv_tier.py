@@ -102,7 +102,7 @@ class KVTier:
             if v.healthy and index.exact(sid):
                 n = index.matched_pages(sid, block_hashes)
                 if n:
-                    out.append(self.costs.offer(sid, n))
+                    out.append(self.costs.offer(sid, n, "store"))
         return out
 
     def handle(self, store_id: str) -> WorkerHandle | None:
