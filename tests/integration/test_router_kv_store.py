@@ -107,6 +107,11 @@ def test_turn_2_fetches_from_the_store(cluster, make_llm):
     assert disp.fetched_tokens == held * PAGE and last.usage.cached_prompt_tokens == held * PAGE
     assert disp.tier.offloads["stored"] >= 1 and store.stats()["exported_tokens"] == held * PAGE
     wait_until(lambda: index.blocks("kv-store-0") == set(store.kv.pool.cached_hashes()), what="index exact")
+    st = stub(server).ClusterStatus(pb.ClusterStatusRequest())
+    (k,) = st.kv_stores
+    assert (k.store_id, k.healthy, k.kv_index_state, k.hit_rate) == ("kv-store-0", True, "exact", 1.0), k
+    assert k.total_pages == 64 and k.free_pages == 64 and k.kv_index_blocks == len(store.kv.pool.cached_hashes())
+    assert st.kv_fetched_tokens == held * PAGE and st.kv_offloaded_tokens >= held * PAGE
     text = __import__("prometheus_client").generate_latest(server.service.metrics.registry).decode()
     assert f'pdcluster_kv_fetched_tokens_by_source_total{{source="store"}} {held * PAGE}.0' in text
     assert 'pdcluster_kv_store_healthy{node="",store="kv-store-0"} 1.0' in text
