@@ -57,6 +57,7 @@ def cluster(tiny_model):
         costs = server.service.dispatcher.fetch_costs
         costs.overhead_s, costs.source_overhead_s = 0.0, dict.fromkeys(costs.source_overhead_s, 0.0)
         loop.run(server.start())
+        server.test_loop = loop
         made.append((server, loop, handles))
         return server, model, (p, d, store), handles
 
@@ -193,3 +194,20 @@ def test_a_decode_worker_prefilling_locally_fetches_from_the_store(cluster, make
     assert d.num_local_prefills == before + 1, "prefilled on the decode worker"
     assert disp.fetch_counts == {"fetched": 1, "recomputed": 0} and disp.fetched_by_source["store"] == held * PAGE
     assert last.usage.cached_prompt_tokens == held * PAGE
+
+
+def test_refreshes_at_once_share_the_stores_calls(cluster):
+    """The background refresh and ClusterStatus calls refresh at the same time: one load call per
+    store, applied once, and no refresh fails (a KeyError here once broke ClusterStatus)."""
+    import asyncio
+
+    server, model, (p, d, store), handles = cluster()
+    disp = server.service.dispatcher
+
+    async def many():
+        await asyncio.gather(*(disp.refresh_loads() for _ in range(8)))
+    for _ in range(3):
+        server.test_loop.run(many(), timeout=10)
+    for _ in range(4):
+        st = stub(server).ClusterStatus(pb.ClusterStatusRequest())
+        assert [k.store_id for k in st.kv_stores] == ["kv-store-0"] and st.kv_stores[0].healthy
