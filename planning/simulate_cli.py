@@ -104,7 +104,9 @@ def format_tiers(cluster, t: dict) -> str:
         lines.append(f"KV store {_mib(cluster.kv_store_bytes)} per node x {len(stores)}: {st['capacity_pages']} "
                      f"pages of {_mib(st['bytes_per_page'])}; copied {sum(x['copied_pages'] for x in stores.values())}, "
                      f"evicted {sum(x['evicted_pages'] for x in stores.values())} pages"
-                     + ("" if t.get("active") else " (idle: the workload shares no prefix blocks)"))
+                     + ("" if t.get("active") else " (idle: the workload shares no prefix blocks)")
+                     + ("" if st["bytes_per_page"] else " (the latency model has no kv_bytes_per_token: the store "
+                                                        "holds nothing)"))
     else:
         lines.append("KV store off" + (f"; peer fetch at >= {cluster.fetch_min_pages} pages" if cluster.fetch_min_pages
                                        else ""))
