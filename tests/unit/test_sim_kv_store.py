@@ -175,3 +175,9 @@ def test_plan_simulate_sweeps_store_sizes(tmp_path, capsys):
     assert json.loads(out.read_text())["config"]["kv_tiers"]["fetches"]["store"] > 0
     assert main([*base, "--kv-store-size", "lots"]) == 2
     assert "--kv-store-size must be" in capsys.readouterr().err
+
+
+def test_runs_of_decode_steps_give_the_same_records_with_the_store_and_peers_on():
+    wl = conversations()
+    for c in (lambda: cluster(1000 * PAGE_BYTES), lambda: cluster(0, fetch_min_pages=1)):
+        assert digest(simulate(c(), wl).records) == digest(simulate(c(), wl, exact_steps=True).records)
