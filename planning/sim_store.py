@@ -6,14 +6,16 @@ what the simulator therefore does:
 - **Offload.** A request that finishes on a decode worker (disaggregated, or after a local
   prefill there; colocated workers have no KV connector) leaves the full pages of its prompt and
   output but the last token (whose KV is never computed) in the store of that worker's node:
-  only the pages after the leading ones the store already holds are copied. The store is an LRU
+  only the pages after the leading ones the store already holds are copied, and those it held
+  are refreshed in its LRU (as kv_store.KVStore.offload does). The store is an LRU
   over page hashes with `size_bytes // bytes_per_page` pages; the pages one offload copies go in
   tail first, so a prompt's first page is the most recent and the last to go (as the engine's
   pool frees a request's pages). The copy is taken to be instant and to cost no worker time.
 - **Fetch.** When the router places a prompt on a prefill worker whose own cache holds `have`
-  of its leading pages, it lists offers: every store's leading pages of the prompt (stores
-  first), then, when `router.fetch_min_pages` > 0, every other non-colocated worker's (the
-  router's exact KV index: here the workers' engine caches themselves). `router.fetch_rule.choose`
+  of its leading pages, it lists offers (none when `router.fetch_min_pages` is 0: the router
+  then never fetches): every store's leading pages of the prompt (stores first), then every
+  other non-colocated worker's (the router's exact KV index: here the workers' engine caches
+  themselves). `router.fetch_rule.choose`
   (the router's own rule) picks one or none. The worker then takes the prompt as the engine does
   for a prefix fetch (`engine.prefix_fetch.PrefixTransfers.fetch`: its own cached pages, pages
   allocated for the rest, waiting for remote KV), the pages arrive `overhead_s + extra_pages *
@@ -62,12 +64,16 @@ class PageStore:
         """Copy the pages after the leading ones already held; returns the pages copied."""
         if not self.capacity:
             return 0
-        new = hashes[self.leading(hashes, len(hashes)):]
-        if not new:
-            return 0
+        held = self.leading(hashes, len(hashes))
+        new = hashes[held:]
         pages = self.pages
         deque(map(pages.pop, new, repeat(None)), maxlen=0)  # a page held further on is copied again
         pages.update(zip(reversed(new), repeat(None)))       # tail first: the leading page is the most recent
+        # the pages it held already are refreshed too (kv_store.KVStore.offload): they go last, the
+        # first of them last of all
+        deque(map(pages.move_to_end, reversed(hashes[:held])), maxlen=0)
+        if not new:
+            return 0
         self.copied += len(new)
         over = len(pages) - self.capacity
         if over > 0:
@@ -146,7 +152,7 @@ class KVTier:
         False: the caller queues it as usual."""
         w = view.worker
         cost = self.costs.get(w)
-        if not self.active or cost is None:
+        if not self.active or cost is None or not self.min_pages:  # fetch_min_pages 0: the router never fetches
             return False
         ps = w.limits.page_size
         most = (req.prompt_len - 1) // ps  # the last prompt token is always computed
@@ -163,12 +169,11 @@ class KVTier:
                 if n > have:
                     offers.append(Offer(st.name, n, cost[1]))
                     source[st.name] = st
-        if self.min_pages:
-            for peer in self.peers:
-                if peer is not w and peer.limits.page_size == ps:
-                    n = _cached_pages(peer, hashes, most)
-                    if n > have:
-                        offers.append(Offer(peer.name, n, cost[1]))
+        for peer in self.peers:
+            if peer is not w and peer.limits.page_size == ps:
+                n = _cached_pages(peer, hashes, most)
+                if n > have:
+                    offers.append(Offer(peer.name, n, cost[1]))
         if not offers:
             return False
         pick = choose(have, offers, ps, cost[0], self.overhead_s, self.min_pages)

@@ -21,6 +21,7 @@ LM = LatencyModel(prefill=(0.002, 2e-4, 0.0, 0.0), decode=(0.004, 1e-4, 1e-7), t
 PAGE_BYTES = 16 * 1024
 SMALL = EngineLimits(16, 96, 2048, 64)    # a prefill worker's cache: less than two conversations
 BIG = EngineLimits(16, 4000, 2048, 64)
+MID = EngineLimits(16, 200, 2048, 64)     # a decode worker's cache: three conversations or so
 
 
 def conversations(n: int = 30, turns: int = 4, block_tokens: int = 64, new_blocks: int = 4, out: int = 16) -> Workload:
@@ -36,9 +37,11 @@ def conversations(n: int = 30, turns: int = 4, block_tokens: int = 64, new_block
                     block_tokens, "conversations")
 
 
-def cluster(store_bytes: int = 0, fetch_min_pages: int = 0, prefill: EngineLimits = SMALL,
-            policy: str = "round-robin") -> SimCluster:
-    return SimCluster([SimPool("p", "prefill", 2, LM, prefill), SimPool("d", "decode", 1, LM, BIG)],
+def cluster(store_bytes: int = 0, fetch_min_pages: int = 1, prefill: EngineLimits = SMALL,
+            policy: str = "round-robin", decode: EngineLimits = MID) -> SimCluster:
+    """Fetches on (the config's default) unless `fetch_min_pages` is 0; the decode worker's cache
+    keeps a few conversations only, so that its peers' offers leave the store's value to show."""
+    return SimCluster([SimPool("p", "prefill", 2, LM, prefill), SimPool("d", "decode", 1, LM, decode)],
                       policy=policy, kv_store_bytes=store_bytes, fetch_min_pages=fetch_min_pages)
 
 
@@ -83,8 +86,8 @@ def test_the_fetch_rule_declines_a_fetch_that_costs_more_than_it_saves():
 def test_size_zero_reproduces_the_records_of_before():
     # digests of the records of the simulator before the store tier (d2b4bd0) on the same runs;
     # recompute them there only if the simulator's model was changed on purpose
-    assert digest(simulate(cluster(0), conversations()).records) == "8d6e57c2de5b688a"
-    assert digest(simulate(cluster(0, prefill=BIG, policy="prefix-aware"), conversations()).records) \
+    assert digest(simulate(cluster(0, 0, decode=BIG), conversations()).records) == "8d6e57c2de5b688a"
+    assert digest(simulate(cluster(0, 0, prefill=BIG, policy="prefix-aware", decode=BIG), conversations()).records) \
         == "dd9cf229df3ee70c"
 
 
@@ -113,26 +116,28 @@ def test_the_store_holds_at_most_its_capacity_and_hits_more_the_larger_it_is():
 def test_page_store_lru():
     st = PageStore("s", 5, 16, PAGE_BYTES)
     assert st.offload([1, 2, 3]) == 3 and st.leading([1, 2, 3, 4], 4) == 3
-    assert st.offload([1, 2, 3, 4]) == 1          # only the pages after the leading ones held
+    assert st.offload([1, 2, 3, 4]) == 1          # only the pages after the leading ones held ...
+    assert list(st.pages) == [4, 3, 2, 1]         # ... which are refreshed, the first page last (least recent first)
     assert st.offload([7, 8]) == 2                # over capacity: the least recent go, a prompt's tail first
-    assert len(st.pages) == 5 and st.leading([1, 2, 3], 3) == 2 and st.evicted == 1
-    assert list(st.pages) == [2, 1, 4, 8, 7]      # least recent first
+    assert len(st.pages) == 5 and st.leading([1, 2, 3, 4], 4) == 3 and st.evicted == 1
+    assert list(st.pages) == [3, 2, 1, 8, 7]
+    assert st.offload([1, 2, 3]) == 0 and list(st.pages) == [8, 7, 3, 2, 1]  # all held: refreshed only
     st.read([1, 2])                               # a read makes them the most recent
     st.offload([9, 10])
-    assert list(st.pages) == [7, 2, 1, 10, 9] and st.leading([1, 2], 2) == 2
+    assert list(st.pages) == [3, 2, 1, 10, 9] and st.leading([1, 2], 2) == 2
     assert PageStore("z", 0, 16, PAGE_BYTES).offload([1, 2]) == 0
 
 
 def test_peer_fetch_follows_fetch_min_pages():
     wl = conversations()
-    assert simulate(cluster(0, fetch_min_pages=0), wl).kv_tiers["fetches"]["peer"] == 0
-    peers = simulate(cluster(0, fetch_min_pages=1), wl).kv_tiers
+    assert simulate(cluster(0, fetch_min_pages=0, decode=BIG), wl).kv_tiers["fetches"]["peer"] == 0
+    peers = simulate(cluster(0, fetch_min_pages=1, decode=BIG), wl).kv_tiers
     # the decode worker's cache holds every conversation: the later turns come from it
     assert peers["fetches"] == {"peer": 90, "store": 0} and peers["hit_rate"]["peer"] == pytest.approx(24 / 40)
     # a store and a peer that hold the same pages: the store's offer goes first
-    both = simulate(cluster(4000 * PAGE_BYTES, fetch_min_pages=1), wl).kv_tiers
+    both = simulate(cluster(4000 * PAGE_BYTES, fetch_min_pages=1, decode=BIG), wl).kv_tiers
     assert both["fetches"] == {"peer": 0, "store": 90}
-    assert simulate(cluster(0, fetch_min_pages=40), wl).kv_tiers["fetches"]["peer"] < 90
+    assert simulate(cluster(0, fetch_min_pages=40, decode=BIG), wl).kv_tiers["fetches"]["peer"] < 90
 
 
 def test_colocated_workers_neither_offload_nor_fetch():
@@ -156,7 +161,7 @@ def test_plan_simulate_sweeps_store_sizes(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: tiny\nrouter: {policy: round-robin}\npools:\n"
                    "  - {name: pre, role: prefill, replicas: 2, engine: {num_pages: 96}}\n"
-                   "  - {name: dec, role: decode, replicas: 1, engine: {num_pages: 4000}}\n")
+                   "  - {name: dec, role: decode, replicas: 1, engine: {num_pages: 200}}\n")
     out = tmp_path / "sweep.json"
     base = ["plan", "simulate", "--config", str(cfg), "--profile", str(prof), "--dataset", str(trace),
             "--length-scale", "1", "--max-model-len", "4096"]
