@@ -454,6 +454,9 @@ class Dispatcher(WorkerHealth, Membership, KVFetch):
                     if not stats.fetched_tokens:  # (a fetch's wait is not prefill time)
                         self.fetch_costs.observe_prefill(len(prompt) - result.num_cached_tokens,
                                                          stats.first_token - stats.prefill_start)
+                    elif result.fetch_s and self.kv_index is not None:  # the pages' whole wait, as the worker saw it
+                        self.fetch_costs.observe_fetch(stats.fetched_tokens // self.kv_index.page_size, result.fetch_s,
+                                                       "worker" if source[0] in self.handles else "store")
                 live.first_token = result.first_token
                 live.first_logprobs = result.first_logprobs
                 live.first_text = result.first_text if resume is None else ""  # resumed: its context differs

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 
 from engine.block_hash import page_hashes
@@ -92,7 +91,6 @@ class KVFetch:
         whole prompt instead. Returns the prompt tokens fetched (the client sees no difference)."""
         holder = self.handles.get(holder_id) or (self.tier.handle(holder_id) if self.tier is not None else None)
         sent, why = 0, "the holder left placement"
-        t0 = time.monotonic()
         if holder is not None:
             try:
                 exp = await asyncio.wait_for(holder.export_prefix(fetch, prompt), self.fetch_timeout_s)
@@ -103,10 +101,6 @@ class KVFetch:
             self.fetch_counts["fetched"] += 1
             self.fetched_tokens += sent
             self.fetched_by_source["worker" if holder_id in self.handles else "store"] += sent
-            size = self.kv_index.page_size if self.kv_index is not None else 0
-            if size:  # (the send goes on after the answer: this times the holder's side of it)
-                self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0,
-                                               "worker" if holder_id in self.handles else "store")
             return sent
         self.fetch_counts["recomputed"] += 1
         log.info("prefix fetch of %s from %s: nothing sent (%s); computing the prompt instead", fetch.request_id,
