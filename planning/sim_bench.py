@@ -33,9 +33,11 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = roofline_latency_model(model_shape("Llama-3-8B"), get_gpu("H100"))
     limits = EngineLimits(16, 30000, 8192, 256)
+    store = KVStoreSettings(size=args.kv_store_size).size_bytes(GPU_NODE_MEMORY)
+    # a store is read by fetches, on by default in a cluster (router.fetch_min_pages 1); off, the
+    # simulator of before the tier (its records' digests are the speed runs' reference)
     c = SimCluster([SimPool("p", "prefill", 2, lm, limits), SimPool("d", "decode", 2, lm, limits)],
-                   max_inflight=4096, max_queue=1 << 20,
-                   kv_store_bytes=KVStoreSettings(size=args.kv_store_size).size_bytes(GPU_NODE_MEMORY))
+                   max_inflight=4096, max_queue=1 << 20, kv_store_bytes=store, fetch_min_pages=1 if store else 0)
     kw = {"num_requests": args.num_requests} if args.num_requests else {}
     w = build_workload(args.dataset, **kw)
     extra = {"exact_steps": True} if args.exact_steps else {}

@@ -43,7 +43,7 @@ from engine.kv_connector import KVEvent, KVEventKind
 from engine.prefix_fetch import PrefixTransfers
 from planning.sim_engine import EngineSim
 from planning.sim_request import SimRequest
-from router.fetch_rule import DEFAULT_FETCH_OVERHEAD_S, DEFAULT_FETCH_S_PER_PAGE, Offer, choose
+from router.fetch_rule import DEFAULT_FETCH_OVERHEAD_S, DEFAULT_FETCH_S_PER_PAGE, Offer, best_offer
 
 
 class PageStore:
@@ -146,21 +146,19 @@ class KVTier:
         self.transfers = {w: PrefixTransfers(w.kv, w.scheduler) for w in self.costs}
 
     # ---- the router's placement of a prompt on a prefill worker ---------------------------------
-    def place(self, view, req: SimRequest, now: float) -> bool:
-        """Fetch the prompt's leading pages for `view`'s worker if the rule says so: the request
-        then waits for them (True; the simulator's event kind 6 at their arrival calls `arrived`).
-        False: the caller queues it as usual."""
-        w = view.worker
+    def _plan(self, w: EngineSim, req: SimRequest):
+        """(the offer worth fetching for worker `w`, its gain in seconds, the store it comes from
+        or None, the prompt's page hashes), or None: nothing worth fetching."""
         cost = self.costs.get(w)
         if not self.active or cost is None or not self.min_pages:  # fetch_min_pages 0: the router never fetches
-            return False
+            return None
         ps = w.limits.page_size
         most = (req.prompt_len - 1) // ps  # the last prompt token is always computed
         if most < 1:
-            return False
+            return None
         have = w.cached_prefix_tokens(req) // ps
         if have >= most:
-            return False
+            return None
         hashes = req.page_hashes(ps)
         offers, source = [], {}
         for st in self.stores:
@@ -175,19 +173,38 @@ class KVTier:
                 if n > have:
                     offers.append(Offer(peer.name, n, cost[1]))
         if not offers:
+            return None
+        pick, gain = best_offer(have, offers, ps, cost[0], self.overhead_s, self.min_pages)
+        return None if pick is None else (pick, gain, source.get(pick.holder), hashes)
+
+    def saves(self, views, req: SimRequest) -> dict[str, float] | None:
+        """What a fetch would save each candidate prefill worker, in prompt tokens' time (the
+        router weighs its candidates by it: router/policy.py's `fetch_saves`)."""
+        out = {}
+        for view in views:
+            plan = self._plan(view.worker, req)
+            if plan is not None:
+                out[view.router.worker_id] = plan[1] / self.costs[view.worker][0]
+        return out or None
+
+    def place(self, view, req: SimRequest, now: float) -> bool:
+        """Fetch the prompt's leading pages for `view`'s worker if the rule says so: the request
+        then waits for them (True; the simulator's event kind 6 at their arrival calls `arrived`).
+        False: the caller queues it as usual."""
+        w = view.worker
+        plan = self._plan(w, req)
+        if plan is None:
             return False
-        pick = choose(have, offers, ps, cost[0], self.overhead_s, self.min_pages)
-        if pick is None:
+        pick, _, st, hashes = plan
+        ps = w.limits.page_size
+        fetch = self.transfers[w].fetch(w.scheduler.connector, w.engine_request(req), pick.pages)
+        if fetch is None:  # pages short: computed here
             return False
-        plan = self.transfers[w].fetch(w.scheduler.connector, w.engine_request(req), pick.pages)
-        if plan is None:  # pages short: computed here
-            return False
-        extra = plan.num_tokens // ps
-        req.fetched, req.fetch_from = plan.num_tokens, "store" if pick.holder in source else "peer"
-        st = source.get(pick.holder)
+        extra = fetch.num_tokens // ps
+        req.fetched, req.fetch_from = fetch.num_tokens, "store" if st is not None else "peer"
         if st is not None:
             st.read(hashes[pick.pages - extra:pick.pages])
-        self.push(now + self.overhead_s + extra * cost[1], 6, (view, req))
+        self.push(now + self.overhead_s + extra * self.costs[w][1], 6, (view, req))
         return True
 
     def arrived(self, w: EngineSim, req: SimRequest) -> None:

@@ -279,7 +279,12 @@ class Simulator:
                 dview.page_queue.append(req)
 
     def _dispatch_prefill(self, req: SimRequest, now: float) -> None:
-        pview = self._pick(self.prefills, req, self._policy.pick_prefill)
+        if self._fetch is None:
+            pview = self._pick(self.prefills, req, self._policy.pick_prefill)
+        else:  # as the router: each candidate counted with what a fetch would save it
+            saves = self._fetch.saves(self.prefills, req)
+            pview = self._by_router[id(self._policy.pick_prefill([v.router for v in self.prefills], req.page_keys,
+                                                                 saves))]
         pview.router.inflight += 1
         pview.router.placed += 1
         pview.router.inflight_tokens += req.prompt_len
