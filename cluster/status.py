@@ -49,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
         if w.tp_size > 1:
             ranks.append(f"  {w.worker_id}: " + ", ".join(
                 f"rank {r} pid {pid} on {node or '-'}" for r, (pid, node) in enumerate(zip(w.rank_pids, w.rank_nodes))))
+    for k in st.kv_stores:  # the nodes' KV stores (docs/kv-cache.md)
+        used = k.total_pages - k.free_pages
+        print(f"KV store {k.store_id} on {k.node or '-'}: {'ok' if k.healthy else 'DOWN'}, pid {k.pid or '-'}, "
+              f"{k.total_pages} pages ({used} leased or pinned), hit rate {k.hit_rate:.0%}, index {k.kv_index_state} "
+              f"({k.kv_index_blocks} blocks)" + (f": {_one_line(k.error)}" if k.error else ""))
+    if st.kv_stores or st.kv_fetched_tokens:
+        print(f"KV tokens fetched instead of computed: {st.kv_fetched_tokens}; copied into the stores: "
+              f"{st.kv_offloaded_tokens}")
     if ranks:  # a tensor-parallel worker's ranks: losing any loses the worker
         print("\n".join(["tensor-parallel ranks:", *ranks]))
     if notes:  # reasons below the table, one line each: a remote traceback never breaks it

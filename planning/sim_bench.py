@@ -3,7 +3,7 @@ pages each), the setup docs/capacity-planning.md times. Prints the wall time and
 the per-request records, so two simulators (or --exact-steps against the default) can be
 compared on both speed and output (the CPU time is the steadier figure on a shared machine):
 
-    python -m planning.sim_bench --dataset azure-conv [--exact-steps] [--num-requests N]
+    python -m planning.sim_bench --dataset azure-conv [--exact-steps] [--num-requests N] [--kv-store-size 64GiB]
 """
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--exact-steps", action="store_true", help="step every decode step one by one")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the run")
+    p.add_argument("--kv-store-size", default="0", help="each decode worker's node KV store (sim_store.py): 0 (off, "
+                                                       "the default), auto (4 GiB on a GPU server) or bytes: 64GiB")
     args = p.parse_args(argv)
 
     from loadgen.workloads import build_workload
+    from cluster.config_kv_store import KVStoreSettings
     from planning.hardware import get_gpu
+    from planning.sim_config import GPU_NODE_MEMORY
     from planning.roofline import model_shape, roofline_latency_model
     from planning.sim_request import EngineLimits
     from planning.sim_spec import SimCluster, SimPool
@@ -30,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = roofline_latency_model(model_shape("Llama-3-8B"), get_gpu("H100"))
     limits = EngineLimits(16, 30000, 8192, 256)
     c = SimCluster([SimPool("p", "prefill", 2, lm, limits), SimPool("d", "decode", 2, lm, limits)],
-                   max_inflight=4096, max_queue=1 << 20)
+                   max_inflight=4096, max_queue=1 << 20,
+                   kv_store_bytes=KVStoreSettings(size=args.kv_store_size).size_bytes(GPU_NODE_MEMORY))
     kw = {"num_requests": args.num_requests} if args.num_requests else {}
     w = build_workload(args.dataset, **kw)
     extra = {"exact_steps": True} if args.exact_steps else {}
@@ -49,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = sum(x["steps"] for x in res.workers.values())
     print(f"{args.dataset}: {len(w.requests)} requests, {res.duration_s:.0f} s simulated, {steps} steps, "
           f"wall {wall:.2f} s, cpu {cpu:.2f} s{' (exact steps)' if args.exact_steps else ''}; records {digest.hexdigest()[:16]}")
+    if c.kv_store_bytes:
+        t = res.kv_tiers
+        print(f"  KV store {args.kv_store_size} per node: hit rate own {t['hit_rate']['own_cache']:.1%}, "
+              f"store {t['hit_rate']['store']:.1%}; fetches {t['fetches']['store']}"
+              + ("" if t.get("active") else " (idle: no shared prefix blocks)"))
     return 0
 
 

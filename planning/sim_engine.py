@@ -64,6 +64,9 @@ class _TransferHold(KVConnector):
     def cancel(self, req: Request) -> None:
         pass
 
+    def prepare_fetch(self, req: Request, pages: list[int], num_tokens: int) -> object:
+        return None  # a prefix fetch (sim_store.py): the simulator times it, nothing moves
+
     def save_layer(self, layer: int) -> None:
         pass
 
@@ -386,6 +389,10 @@ class EngineSim(DecodeRuns):
         return run.ends[-1]
 
     # ---- engine requests --------------------------------------------------------------------
+    def engine_request(self, req: SimRequest) -> Request:
+        """This worker's engine request of `req` (made on first use)."""
+        return self._engine_request(req)
+
     def _engine_request(self, req: SimRequest) -> Request:
         eng = self._engine.get(req.index)
         if eng is None:

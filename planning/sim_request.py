@@ -39,6 +39,8 @@ class SimRequest:
     dest_pages: int = 0          # pages reserved on the decode worker while the prefill runs
     kv_bytes: int = 0
     page_keys: tuple = ()        # the router's hashes of its shared full pages (prefix-aware placement)
+    fetched: int = 0             # prompt tokens fetched from a peer or a KV store (sim_store.py), not computed
+    fetch_from: str = ""         # "peer" or "store" when fetched
     _prompt: list | None = None  # token ids, made once for all the workers that hold it
     _hashes: dict = field(default_factory=dict)  # page size -> the prompt's chained page hashes
 
@@ -84,6 +86,19 @@ class SimRequest:
             own = (1 << 63) + (self.index << 24)
             hashes += range(own + shared_pages, own + self.prompt_len // page_size)
             self._hashes[page_size] = hashes
+        return hashes
+
+    def kv_page_hashes(self, page_size: int) -> list[int]:
+        """The hashes of the full pages of prompt + output but the last token (whose KV is never
+        computed): what a finished request leaves in a decode worker's cache and a KV store takes
+        (sim_store.py). Pages past the prompt's full pages get values of this request's own,
+        continuing `page_hashes`' private range: the traces name a prompt's blocks only, so no later
+        prompt can match an answer's pages."""
+        hashes = self.page_hashes(page_size)
+        full = (self.prompt_len + max(self.generated, 1) - 1) // page_size
+        if full > len(hashes):
+            own = (1 << 63) + (self.index << 24)
+            hashes = hashes + list(range(own + len(hashes), own + full))
         return hashes
 
     def forget_prompt(self) -> None:

@@ -26,6 +26,7 @@ class SimPool:
     host: str = ""                   # replicas of pools with the same non-empty host share its cores
     gpus_per_replica: int = 0
     price_per_hour: float = 0.0      # per replica
+    tp: int = 1                      # ranks whose per-rank KV (latency.kv_bytes_per_token) makes one page
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -51,6 +52,9 @@ class SimCluster:
     load_other_prefill: float | None = None  # the same for a step that prefills (None: load_other)
     exact_steps: bool = False  # every decode step its own event (planning/simulator.py); same records, slower
     hash_page_size: int = 0            # the router's block hashes (0: the first prefill/colocated pool's pages)
+    kv_store_bytes: int = 0            # each node's KV store (sim_store.py; 0: no store tier)
+    fetch_min_pages: int = 0           # router.fetch_min_pages: > 0 lets a prefill worker fetch from peers too
+    fetch_overhead_s: float | None = None  # a fetch's fixed cost (None: router.fetch_rule's default)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -62,6 +66,9 @@ class SimCluster:
             raise ValueError("prefill and decode pools come together (or use a colocated pool)")
         if not self.hash_page_size:
             self.hash_page_size = next(p.limits.page_size for p in self.pools if p.role != "decode")
+        if self.kv_store_bytes < 0 or self.fetch_min_pages < 0:
+            raise ValueError(f"kv_store_bytes and fetch_min_pages must be >= 0, got {self.kv_store_bytes}, "
+                             f"{self.fetch_min_pages}")
         if self.max_inflight < 1 or self.max_queue < 0:
             raise ValueError(f"max_inflight must be >= 1 and max_queue >= 0, got {self.max_inflight}, {self.max_queue}")
 

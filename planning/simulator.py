@@ -27,7 +27,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadgen.client import Timeline
 from loadgen.metrics import RequestRecord, meets_slo
@@ -36,6 +36,7 @@ from planning.sim_engine import EngineSim
 from planning.sim_request import SimRequest
 from planning.sim_router import RouterView, SimLoad, SimView, to_sim_requests
 from planning.sim_spec import SimCluster
+from planning.sim_store import KVTier, tier_summary
 from router.policy import make_policy
 
 @dataclass
@@ -46,6 +47,7 @@ class SimResult:
     workers: dict[str, dict]
     wall_s: float = 0.0
     stopped: bool = False  # ended early by stop_after_misses
+    kv_tiers: dict = field(default_factory=dict)  # where prompt tokens came from (sim_store.tier_summary)
 
 
 class _Stopped(Exception):
@@ -104,6 +106,11 @@ class Simulator:
         self._seq = itertools.count()
         self._inflight = 0
         self._queue: deque[SimRequest] = deque()
+        # the KV store tier and prefix fetches (sim_store.py); None: neither is configured
+        pools = (p for p in cluster.pools for _ in range(p.replicas))
+        tier = KVTier(cluster, list(zip(pools, self._order)), self._push)
+        self._tier = tier if tier.enabled else None
+        self._fetch: KVTier | None = None
 
     # ---- the event loop ---------------------------------------------------------------------
     def _clock(self) -> float:
@@ -129,6 +136,9 @@ class Simulator:
         shared = any(r.block_keys for r in reqs)
         for v in self._order:
             v.worker.prefix_caching(shared)
+        if self._tier is not None:
+            self._tier.start(shared)
+        self._fetch = self._tier if self._tier is not None and self._tier.active else None
         self._timeline = Timeline()
         self._state = {"in_flight": 0, "waiting": 0}
         self._client_cap = max_concurrency
@@ -153,7 +163,8 @@ class Simulator:
         end = max([r.finished for r in reqs] + [r.arrival for r in reqs] + [0.0])
         records = [self._record(r) for r in reqs]
         workers = {v.worker.name: _worker_stats(v.worker, end) for v in self.prefills + self.decodes}
-        return SimResult(records, max(end, 1e-9), self._timeline, workers, time.perf_counter() - t_wall, stopped)
+        return SimResult(records, max(end, 1e-9), self._timeline, workers, time.perf_counter() - t_wall, stopped,
+                         tier_summary(reqs, self._tier))
 
     def _loop(self, events: list, arrivals: list, n_arrivals: int, next_arrival: int) -> None:
         pop = heapq.heappop
@@ -174,6 +185,9 @@ class Simulator:
                     self._step_done(obj[0], now)
             elif kind == 2:
                 self._kv_done(obj, now)
+            elif kind == 6:  # a prefix fetch's pages arrived (sim_store.py)
+                self._fetch.arrived(obj[0].worker, obj[1])
+                self._kick(obj[0], now)
             elif kind == 4:
                 if obj.worker.run is not None:  # (a run: its step in flight is the next step boundary)
                     obj.worker.end_run()
@@ -271,7 +285,8 @@ class Simulator:
         pview.router.inflight_tokens += req.prompt_len
         req.prefill_worker = pview.worker.name
         req.prefill_start = now
-        pview.worker.add(req)
+        if self._fetch is None or not self._fetch.place(pview, req, now):
+            pview.worker.add(req)
         self._kick(pview, now)
 
     def _pick(self, views: list[SimView], req: SimRequest, pick) -> SimView:
@@ -333,6 +348,8 @@ class Simulator:
         dview = self._by_name[req.decode_worker]
         dview.router.inflight -= 1
         self._inflight -= 1
+        if self._fetch is not None:  # its pages go to the node's KV store
+            self._fetch.offload(dview.worker, req)
         self._close(req, now)
         if self._queue:
             self._admit(self._queue.popleft(), now)
@@ -369,6 +386,8 @@ class Simulator:
                       "prefill_worker": r.prefill_worker or r.decode_worker, "decode_worker": r.decode_worker,
                       "local_prefill": r.local_prefill, "preemptions": r.preemptions,
                       "kv_bytes": r.kv_bytes}
+        if r.fetched:
+            rec.server.update(fetched_tokens=r.fetched, fetched_from=r.fetch_from)
         return rec
 
 

@@ -78,7 +78,7 @@ from engine.outputs import RemotePrefix, Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
-from router.fetch_rule import FetchCosts, choose
+from router.fetch_rule import FetchCosts, best_offer
 from router.handles import WorkerHandle
 from router.kv_index import KVIndex, KVIndexSync
 from router.kv_tier import KVTier
@@ -340,26 +340,49 @@ class Dispatcher(WorkerHealth, Membership):
             if not live.done:
                 self._abort_later(live)
 
-    def _fetch_source(self, pview: WorkerView, req: PreparedRequest) -> tuple[str, int] | None:
-        """(the worker or store, its leading pages of the prompt) to fetch the prompt's prefix from
-        instead of computing it on `pview`, or None: compute it. Offers come from the nodes' KV
-        stores and the serving workers, by the exact KV index; router/fetch_rule.py weighs each
-        against computing its pages (`fetch_min_pages`: the fewest extra pages worth a fetch; 0:
-        never fetch). Colocated workers have no connector: neither side."""
+    def _fetch_plans(self, candidates: Sequence[WorkerView], req: PreparedRequest) -> dict[str, tuple]:
+        """For each candidate prefill worker, the fetch worth making instead of computing the
+        prompt's leading pages there: {worker id: (Offer, gain in seconds)}; a candidate with
+        none is absent. Offers come from the nodes' KV stores and the serving workers, by the
+        exact KV index; router/fetch_rule.py weighs each against computing its pages
+        (`fetch_min_pages`: the fewest extra pages worth a fetch; 0: never fetch). Colocated
+        workers have no connector: neither side."""
         index = self.kv_index
-        if index is None or not self.fetch_min_pages or not index.exact(pview.worker_id):
-            return None
-        have = index.matched_pages(pview.worker_id, req.block_hashes)
-        offers = self.tier.offers(req.block_hashes) if self.tier is not None else []
+        if index is None or not self.fetch_min_pages:
+            return {}
+        costs = self.fetch_costs
+        # the last prompt token is always computed where the prompt is prefilled
+        hashes = req.block_hashes[:(len(req.prompt_token_ids) - 1) // index.page_size]
+        held = self.tier.offers(hashes) if self.tier is not None else []
         for wid, view in self.views.items():
-            if wid == pview.worker_id or view.role == "colocated" or view.state != "serving" or not index.exact(wid):
+            if view.role != "colocated" and view.state == "serving" and index.exact(wid):
+                n = index.matched_pages(wid, hashes)
+                if n:
+                    held.append(costs.offer(wid, n, "worker"))
+        if not held:
+            return {}
+        plans = {}
+        for v in candidates:
+            if not index.exact(v.worker_id):
                 continue
-            n = index.matched_pages(wid, req.block_hashes)
-            if n > have:
-                offers.append(self.fetch_costs.offer(wid, n))
-        best = choose(have, offers, index.page_size, self.fetch_costs.prefill_s_per_token,
-                      self.fetch_costs.overhead_s, self.fetch_min_pages)
-        return (best.holder, best.pages) if best is not None else None
+            best, gain = best_offer(index.matched_pages(v.worker_id, hashes),
+                                    [o for o in held if o.holder != v.worker_id], index.page_size,
+                                    costs.prefill_s_per_token, costs.overhead_s, self.fetch_min_pages)
+            if best is not None:
+                plans[v.worker_id] = (best, gain)
+        return plans
+
+    def _local_fetch(self, dview: WorkerView, req: PreparedRequest) -> tuple | None:
+        """(Offer, gain) when the decode worker should prefill this prompt itself after fetching
+        its cached leading pages from elsewhere: it prefills locally what is short of its
+        `local_prefill_threshold`, and with the fetch the uncached rest would be."""
+        threshold = dview.load.local_prefill_threshold if dview.load is not None else 0
+        if not threshold or dview.role != "decode" or self.kv_index is None:
+            return None
+        plan = self._fetch_plans([dview], req).get(dview.worker_id)
+        if plan is None or len(req.prompt_token_ids) - plan[0].pages * self.kv_index.page_size >= threshold:
+            return None
+        return plan
 
     async def _fetch(self, requester: WorkerHandle, holder_id: str, fetch, prompt: list[int]) -> int:
         """Have `holder_id` send the prefix `fetch` asks for into the requester's pages; when it
@@ -380,7 +403,8 @@ class Dispatcher(WorkerHealth, Membership):
             self.fetched_by_source["worker" if holder_id in self.handles else "store"] += sent
             size = self.kv_index.page_size if self.kv_index is not None else 0
             if size:  # (the send goes on after the answer: this times the holder's side of it)
-                self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0)
+                self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0,
+                                               "worker" if holder_id in self.handles else "store")
             return sent
         self.fetch_counts["recomputed"] += 1
         log.info("prefix fetch of %s from %s: nothing sent (%s); computing the prompt instead", fetch.request_id,
@@ -445,8 +469,13 @@ class Dispatcher(WorkerHealth, Membership):
             dview.placed += 1
             live.views.append(dview)
             live.decode_losses = decode.losses
+            local = self._local_fetch(dview, req) if resume is None else None
             try:
-                adm = await decode.admit(rid, req.prompt_token_ids, req.params, resume)
+                if local is None:
+                    adm = await decode.admit(rid, req.prompt_token_ids, req.params, resume)
+                else:  # it prefills here, after fetching the cached pages from their holder
+                    adm = await decode.admit(rid, req.prompt_token_ids, req.params, resume,
+                                             RemotePrefix(local[0].pages))
                 if adm.stage == DecodeStage.QUEUED_FOR_PAGES:
                     adm = await _admitted(decode, rid)
             except ValueError as exc:  # the worker's own limits (pages, lengths)
@@ -457,6 +486,9 @@ class Dispatcher(WorkerHealth, Membership):
             except Exception as exc:  # its process, actor or engine loop is gone
                 raise _DecodeLost(dview.worker_id, f"at admission: {type(exc).__name__}: {_first_line(exc)[:300]}") from exc
             stats.decode_worker = dview.worker_id
+            if adm.stage == DecodeStage.LOCAL_PREFILL and local is not None and adm.prefix_fetch is not None:
+                stats.prefill_start = stats.prefill_start or time.monotonic()
+                stats.fetched_tokens = await self._fetch(decode, local[0].holder, adm.prefix_fetch, prompt)
             if adm.stage == DecodeStage.LOCAL_PREFILL:
                 stats.local_prefill = True
                 # its engine caches the prompt's pages as it prefills (the next turn of a
@@ -473,7 +505,10 @@ class Dispatcher(WorkerHealth, Membership):
             prefills = self._candidates(self.prefills, exclude=tried)
             if not prefills:
                 raise RequestError("no healthy prefill worker", grpc.StatusCode.UNAVAILABLE)
-            pview = self.policy.pick_prefill(prefills, req.block_hashes)
+            # the worker with the earliest estimated first token, counting what a fetch saves it
+            plans = self._fetch_plans(prefills, req) if resume is None else {}
+            saved = {wid: gain / self.fetch_costs.prefill_s_per_token for wid, (_, gain) in plans.items()}
+            pview = self.policy.pick_prefill(prefills, req.block_hashes, saved)
             tried.add(pview.worker_id)
             prefill = self.prefills[pview.worker_id]
             live.prefill = prefill
@@ -484,7 +519,8 @@ class Dispatcher(WorkerHealth, Membership):
             if not stats.prefill_start:
                 stats.prefill_start = time.monotonic()
             prefill_lost = False
-            source = self._fetch_source(pview, req) if resume is None else None
+            plan = plans.get(pview.worker_id)
+            source = (plan[0].holder, plan[0].pages) if plan is not None else None
             try:
                 # every decode rank's descriptor: the prefill worker sends each rank its KV heads
                 task = PrefillTask(rid, prompt, _remaining(req.params, resume), list(adm.descriptors),

@@ -9,7 +9,8 @@ leading pages and what one page costs to move from there. Moving `extra` pages s
 
 The rule takes the offer of largest gain, when it is positive and `extra >= min_pages`; None:
 compute the prompt here. Ties go to the earlier offer (the router lists the stores first: a
-store has no engine whose step a send would share).
+store has no engine whose step a send would share). An offer may carry its own fixed cost
+(`Offer.overhead_s`): a worker's export waits for its engine's current step, a store's does not.
 
 Estimates, not measurements of this request: `FetchCosts` holds what the router measured of
 recent prefills and fetches (`observe_*`), seeded with defaults until it has seen any. The
@@ -34,33 +35,47 @@ class Offer:
     holder: str          # a worker id, or a store's id
     pages: int           # leading pages of the prompt it holds
     s_per_page: float    # seconds one page takes to move from there
+    overhead_s: float | None = None  # its fixed cost per fetch; None: the caller's
 
 
 def choose(have: int, offers: Iterable[Offer], page_size: int, prefill_s_per_token: float, overhead_s: float,
            min_pages: int = 1) -> Offer | None:
     """The offer worth fetching (module docstring), or None."""
+    return best_offer(have, offers, page_size, prefill_s_per_token, overhead_s, min_pages)[0]
+
+
+def best_offer(have: int, offers: Iterable[Offer], page_size: int, prefill_s_per_token: float, overhead_s: float,
+               min_pages: int = 1) -> tuple[Offer | None, float]:
+    """(the offer worth fetching or None, its gain in seconds: 0.0 with None)."""
     best, best_gain = None, 0.0
     for o in offers:
         extra = o.pages - have
         if extra < max(min_pages, 1):
             continue
-        gain = extra * page_size * prefill_s_per_token - (overhead_s + extra * o.s_per_page)
+        fixed = overhead_s if o.overhead_s is None else o.overhead_s
+        gain = extra * page_size * prefill_s_per_token - (fixed + extra * o.s_per_page)
         if gain > best_gain:
             best, best_gain = o, gain
-    return best
+    return best, best_gain
+
+
+SOURCES = ("store", "worker")
 
 
 class FetchCosts:
-    """The router's running estimates: seconds per prefilled token, and per fetched page and
-    fixed overhead per transport, as exponentially weighted means of what it observed."""
+    """The router's running estimates: seconds per prefilled token, per fetched page, and the
+    fixed cost of one fetch from each kind of source (a store answers at once; a worker exports
+    between its engine steps), as exponentially weighted means of what it observed."""
 
     def __init__(self, transport: str = "nixl") -> None:
         self.transport = transport
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
         self.s_per_page = DEFAULT_FETCH_S_PER_PAGE.get(transport, DEFAULT_FETCH_S_PER_PAGE["grpc"])
         self.overhead_s = DEFAULT_FETCH_OVERHEAD_S
+        self.source_overhead_s = dict.fromkeys(SOURCES, DEFAULT_FETCH_OVERHEAD_S)
         self.prefills_seen = 0
         self.fetches_seen = 0
+        self._source_seen = dict.fromkeys(SOURCES, 0)
 
     def observe_prefill(self, computed_tokens: int, seconds: float) -> None:
         """A prefill that computed `computed_tokens` took `seconds` from submit to first token."""
@@ -68,16 +83,24 @@ class FetchCosts:
             self.prefill_s_per_token = _mix(self.prefill_s_per_token, seconds / computed_tokens, self.prefills_seen)
             self.prefills_seen += 1
 
-    def observe_fetch(self, pages: int, seconds: float) -> None:
-        """A fetch of `pages` pages took `seconds` from the holder's call to the pages' arrival
-        (as the router sees it: the export's answer)."""
-        if pages >= 1 and seconds > 0:
+    def observe_fetch(self, pages: int, seconds: float, source: str | None = None) -> None:
+        """A fetch of `pages` pages took `seconds` from the holder's call to its answer. With a
+        `source` kind, what is left after the pages' own time is that kind's fixed cost; without,
+        the per-page time is learned against the seeded fixed cost."""
+        if pages < 1 or seconds <= 0:
+            return
+        if source in self.source_overhead_s:
+            fixed = max(seconds - pages * self.s_per_page, 0.0)
+            self.source_overhead_s[source] = _mix(self.source_overhead_s[source], fixed, self._source_seen[source])
+            self._source_seen[source] += 1
+        else:
             per = max(seconds - self.overhead_s, 0.0) / pages  # the fixed part stays the seed's
             self.s_per_page = _mix(self.s_per_page, per, self.fetches_seen)
-            self.fetches_seen += 1
+        self.fetches_seen += 1
 
-    def offer(self, holder: str, pages: int) -> Offer:
-        return Offer(holder, pages, self.s_per_page)
+    def offer(self, holder: str, pages: int, source: str | None = None) -> Offer:
+        """An offer of `pages` from `holder`, with its kind's fixed cost when `source` is given."""
+        return Offer(holder, pages, self.s_per_page, self.source_overhead_s.get(source) if source else None)
 
 
 def _mix(old: float, new: float, seen: int) -> float:

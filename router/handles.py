@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from decode_worker.types import Admission, DecodeOutput
 from engine.kv_events import KVEventBatch
 from engine.load import WorkerLoad
-from engine.outputs import Resume
+from engine.outputs import RemotePrefix, Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 
@@ -80,9 +80,13 @@ class WorkerHandle:
 
     # ---- decode (and colocated) workers ---------------------------------------------------
     async def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    resume: Resume | None = None) -> Admission:
-        """`resume`: the request continues a stream whose decode worker was lost (engine.request.Resume)."""
-        return await self._open(request_id, "admit", request_id, prompt_token_ids, params, resume)
+                    resume: Resume | None = None, remote_prefix: RemotePrefix | None = None) -> Admission:
+        """`resume`: the request continues a stream whose decode worker was lost (engine.request.Resume).
+        `remote_prefix`: the worker prefills the request itself after fetching its first pages
+        (the Admission's `prefix_fetch` goes to their holder)."""
+        if remote_prefix is None:
+            return await self._open(request_id, "admit", request_id, prompt_token_ids, params, resume)
+        return await self._open(request_id, "admit", request_id, prompt_token_ids, params, resume, remote_prefix)
 
     async def next_output(self, request_id: str) -> Admission | DecodeOutput:
         """The request's next output (after a QUEUED_FOR_PAGES admission: its Admission with

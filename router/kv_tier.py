@@ -59,30 +59,36 @@ class KVTier:
 
     # ---- watch ------------------------------------------------------------------------------
     async def refresh(self, timeout_s: float) -> None:
+        """One load call pending per store at most (several refreshes may run at once: the
+        background one and a ClusterStatus call), its answer applied the moment it comes."""
         async def one(view: StoreView) -> None:
             call = self._calls.get(view.store_id)
             if call is None:
                 call = self._calls[view.store_id] = asyncio.ensure_future(view.handle.load())
+                call.add_done_callback(lambda c, view=view: self._answer(view, c))
             calls = [call] + ([self.sync.pull(view.store_id, view.handle)] if self.sync and view.healthy else [])
-            await asyncio.wait(calls, timeout=timeout_s)
-            if not call.done():
-                return  # busy copying: it keeps its last state
-            del self._calls[view.store_id]
-            exc = None if call.cancelled() else call.exception()
-            if exc is None and not call.cancelled():
-                load = call.result()
-                if view.pid and load.pid != view.pid:
-                    log.warning("KV store %s restarted (process %d -> %d): it starts empty", view.store_id,
-                                view.pid, load.pid)
-                view.load, view.pid, view.node, view.healthy, view.error = load, load.pid, load.node, True, ""
-            elif view.healthy or view.error == "not heard from yet":
-                why = f"{type(exc).__name__}: {first_line(exc)}" if exc else "load call cancelled"
-                view.healthy, view.error = False, why
-                if self.index is not None:
-                    self.index.drop(view.store_id, f"store lost: {why}")
-                log.warning("KV store %s is out of the tier: %s", view.store_id, why)
+            await asyncio.wait(calls, timeout=timeout_s)  # a store still busy keeps its last state
 
         await asyncio.gather(*(one(v) for v in self.stores.values()))
+
+    def _answer(self, view: StoreView, call: asyncio.Future) -> None:
+        if self._calls.get(view.store_id) is call:
+            del self._calls[view.store_id]
+        if call.cancelled():
+            return
+        exc = call.exception()
+        if exc is None:
+            load = call.result()
+            if view.pid and load.pid != view.pid:
+                log.warning("KV store %s restarted (process %d -> %d): it starts empty", view.store_id, view.pid,
+                            load.pid)
+            view.load, view.pid, view.node, view.healthy, view.error = load, load.pid, load.node, True, ""
+        elif view.healthy or view.error == "not heard from yet":
+            why = f"{type(exc).__name__}: {first_line(exc)}"
+            view.healthy, view.error = False, why
+            if self.index is not None:
+                self.index.drop(view.store_id, f"store lost: {why}")
+            log.warning("KV store %s is out of the tier: %s", view.store_id, why)
 
     def store_for(self, node: str) -> StoreView | None:
         """The healthy store of the node a worker runs on, if any."""
@@ -102,7 +108,7 @@ class KVTier:
             if v.healthy and index.exact(sid):
                 n = index.matched_pages(sid, block_hashes)
                 if n:
-                    out.append(self.costs.offer(sid, n))
+                    out.append(self.costs.offer(sid, n, "store"))
         return out
 
     def handle(self, store_id: str) -> WorkerHandle | None:

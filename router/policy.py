@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.load import WorkerLoad
@@ -77,7 +77,10 @@ class PlacementPolicy:
         """`num_tokens`: the prompt's length (its full pages are `hashes`)."""
         raise NotImplementedError
 
-    def pick_prefill(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
+    def pick_prefill(self, views: Sequence[WorkerView], hashes: Sequence[int],
+                     fetch_saves: Mapping[str, float] | None = None) -> WorkerView:
+        """`fetch_saves`: per worker id, the prompt tokens' worth of time a fetch of cached
+        pages from elsewhere would save it (router.dispatch; policies that weigh no cache ignore it)."""
         raise NotImplementedError
 
     def pick_colocated(self, views: Sequence[WorkerView], hashes: Sequence[int]) -> WorkerView:
@@ -106,7 +109,7 @@ class RoundRobin(PlacementPolicy):
     def pick_decode(self, views, hashes, num_tokens=0):
         return views[next(self._turn["decode"]) % len(views)]
 
-    def pick_prefill(self, views, hashes):
+    def pick_prefill(self, views, hashes, fetch_saves=None):
         return views[next(self._turn["prefill"]) % len(views)]
 
 
@@ -116,7 +119,7 @@ class LeastLoaded(PlacementPolicy):
     def pick_decode(self, views, hashes, num_tokens=0):
         return min(views, key=lambda v: (v.inflight, -v.free_pages, v.placed))
 
-    def pick_prefill(self, views, hashes):
+    def pick_prefill(self, views, hashes, fetch_saves=None):
         return min(views, key=lambda v: (v.queued_tokens, v.inflight, v.placed))
 
 
@@ -151,10 +154,13 @@ class PrefixAware(LeastLoaded):
                 local.append((uncached, v.inflight, -v.free_pages, v.placed, v))
         return min(local, key=lambda x: x[:4])[4] if local else least
 
-    def pick_prefill(self, views, hashes):
-        # A cached page saves page_size tokens of compute; queued tokens delay this one.
-        return max(views, key=lambda v: (self.cached_pages(v, hashes) * self.page_size - v.queued_tokens,
-                                         -v.inflight, -v.placed))
+    def pick_prefill(self, views, hashes, fetch_saves=None):
+        # An estimate of the first token's time, in prompt tokens: a cached page saves page_size
+        # tokens of compute, a fetch of pages held elsewhere what it saves net of its own time,
+        # queued tokens delay this one.
+        saves = fetch_saves or {}
+        return max(views, key=lambda v: (self.cached_pages(v, hashes) * self.page_size
+                                         + saves.get(v.worker_id, 0.0) - v.queued_tokens, -v.inflight, -v.placed))
 
     def remember(self, view: WorkerView, hashes: Sequence[int], capacity: int) -> None:
         view.remember(hashes, capacity)

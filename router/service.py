@@ -394,7 +394,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         workers = []
         pushed = {w["worker_id"]: w for w in self.pool_targets.status.get("workers", ())} \
             if self.pool_targets is not None else {}
-        index = self.dispatcher.kv_index
+        index, tier = self.dispatcher.kv_index, self.dispatcher.tier
         for v in self.dispatcher.views.values():
             ld = v.load or WorkerLoad()
             kv = index.workers.get(v.worker_id) if index is not None else None
@@ -424,4 +424,19 @@ class InferenceService(pb_grpc.InferenceServicer):
                                         requests_served=self.served, requests_failed=self.failed,
                                         kv_index_exact=index is not None and index.all_exact(
                                             v.worker_id for v in self.dispatcher.views.values() if v.state == "serving"),
-                                        kv_index_blocks=index.num_blocks if index is not None else 0)
+                                        kv_index_blocks=index.num_blocks if index is not None else 0,
+                                        kv_stores=self._stores(), kv_fetched_tokens=self.dispatcher.fetched_tokens,
+                                        kv_offloaded_tokens=tier.offloaded_tokens if tier is not None else 0)
+
+    def _stores(self) -> list:
+        tier, index = self.dispatcher.tier, self.dispatcher.kv_index
+        out = []
+        for sid, v in (tier.stores.items() if tier is not None else ()):
+            ld = v.load or WorkerLoad()
+            kv = index.workers.get(sid) if index is not None else None
+            out.append(pb.KVStoreStatus(store_id=sid, node=v.node, healthy=v.healthy, error=v.error, pid=v.pid,
+                                        total_pages=ld.total_pages, free_pages=ld.free_pages,
+                                        hit_rate=ld.prefix_cache_hit_rate,
+                                        kv_index_state=kv.state if kv is not None else "unknown",
+                                        kv_index_blocks=len(kv.blocks) if kv is not None else 0))
+        return out

@@ -5,8 +5,8 @@ cancels sent, warmed up, then `serving` or `spare`); hot spares promoted to keep
 serving target. The rules are router.dispatch's module docstring ("Health", "Hot spares").
 
 It relies on these attributes, set in `Dispatcher.__init__`: `views`, `handles`, `prefills`,
-`decodes`, `spares`, `serving_target`, `worker_timeout_s`, `kv_index`, `_kv_sync`, `tier` (the KV stores, refreshed alongside), `_back`,
-`_started`, `_load_calls`, `_answered`, `_warming`, `_silent_since` and `_retiring`; and on
+`decodes`, `spares`, `serving_target`, `worker_timeout_s`, `kv_index`, `_kv_sync`, `tier` (the
+KV stores), `_back`, `_started`, `_load_calls`, `_answered`, `_warming`, `_silent_since` and `_retiring`; and on
 `warm_up` (router.membership) to warm a worker that answers again.
 """
 from __future__ import annotations

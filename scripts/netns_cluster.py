@@ -274,6 +274,12 @@ class NetnsCluster:
         self.hosts.append(h)
         try:
             self._plug(h, last + 1)
+            # an earlier host of this address (added and removed before) may still be in the other
+            # hosts' neighbour tables with its old veth's MAC: connects to the new one then time out
+            for other in self.hosts:
+                if other is not h:
+                    subprocess.run(["ip", "-n", self.ns(other.name), "neigh", "flush", "to", h.ip],
+                                   capture_output=True)
             self.start_ray(name)
             self.wait_nodes(len(self.hosts), timeout=timeout)
         except BaseException:

@@ -157,3 +157,23 @@ def test_health_reflection_and_loopback_only(cluster):
     wide = [a for a in listeners if not (a.startswith("127.0.0.1:") or a.startswith("[::ffff:127.0.0.1]:")
                                          or a.startswith("[::1]:"))]
     assert not wide, f"listening beyond loopback: {wide}"
+
+
+def test_the_node_kv_store_takes_finished_conversations(cluster, tiny_model, make_llm):
+    """The default config starts one KV store on the node (kv_store.size auto); a finished
+    turn's prompt + answer pages are copied into it, and the next turn's tokens are the same."""
+    assert len(cluster.stores) == 1 and cluster.config.kv_store.size == "auto"
+    first, new = random_prompts([70, 12], 2048, seed=11)
+    params = pb.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ids1, _, _ = collect(stub(cluster), pb.GenerateRequest(prompt_token_ids=first, sampling=params))
+    held = (len(first) + 10 - 1) // 16
+    snap = wait_until(lambda: (sn := scrape(cluster.metrics_url)) and value(
+        sn, "pdcluster_kv_store_offloaded_tokens_total") >= held * 16 and sn, what="the turn in the store")
+    node = "127.0.0.1"
+    assert value(snap, "pdcluster_kv_store_healthy", store="kv-store-0", node=node) == 1.0
+    assert value(snap, "pdcluster_kv_store_pages", store="kv-store-0", node=node, kind="total") > 1000
+    second = first + ids1 + new
+    ids2, _, _ = collect(stub(cluster), pb.GenerateRequest(prompt_token_ids=second, sampling=params))
+    want = make_llm(tiny_model("llama"), page_size=16, num_pages=512).generate(
+        [first, second], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [ids1, ids2] == [w.token_ids for w in want]

@@ -30,7 +30,8 @@ def cluster(tiny_model):
                               fetch_min_pages=fetch_min_pages)
         # the tiny model prefills 32 tokens in about as long as a fetch's fixed cost: without it,
         # the fetch rule (router/fetch_rule.py, tested on its own) would compute them here
-        server.service.dispatcher.fetch_costs.overhead_s = 0.0
+        costs = server.service.dispatcher.fetch_costs
+        costs.overhead_s, costs.source_overhead_s = 0.0, dict.fromkeys(costs.source_overhead_s, 0.0)
         loop.run(server.start())
         made.append((server, loop, ph, dh))
         return server, model, dh

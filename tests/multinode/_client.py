@@ -31,6 +31,13 @@ def main() -> None:
             st = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
             print(json.dumps([worker(w) for w in st.workers]))
             return
+        if cmd == "stores":
+            st = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+            print(json.dumps(dict(stores=[dict(store_id=k.store_id, node=k.node, healthy=k.healthy, pid=k.pid,
+                                               total_pages=k.total_pages, kv_index_blocks=k.kv_index_blocks,
+                                               kv_index_state=k.kv_index_state) for k in st.kv_stores],
+                                  fetched=st.kv_fetched_tokens, offloaded=st.kv_offloaded_tokens)))
+            return
         if cmd == "scale":
             t = time.time()
             r = stub.Scale(pb.ScaleRequest(pool=sys.argv[3], replicas=int(sys.argv[4])), timeout=30)

@@ -67,6 +67,39 @@ def test_listeners_only_on_namespace_addresses(served):
     assert addrs == {head}, out
 
 
+def test_every_host_runs_a_kv_store_that_a_conversation_reaches(served, tiny_model):
+    """One KV store per host (kv_store.size auto), its process in the host's namespace, listening
+    on its address only; a finished turn's pages go into the decode host's store, and the next
+    turn's tokens equal Hugging Face's (its prefix fetched across hosts or computed: the router's
+    estimate decides; the figures are printed)."""
+    from tests.helpers import wait_until
+
+    netns = served.netns
+    prompts, path = _prompts(tiny_model)
+    first = prompts[-1]
+    (answer,) = served.generate([first], 40)
+    stores = wait_until(lambda: (s := served.client("stores"))["offloaded"] > 0 and s,
+                        60, 0.2, "a turn offloaded into a store")
+    hosts = {h.ip: h.name for h in netns.hosts}
+    assert sorted(k["node"] for k in stores["stores"]) == sorted(hosts), stores
+    for k in stores["stores"]:
+        host = hosts[k["node"]]
+        assert k["healthy"] and k["pid"] in netns.pids(host), k
+        ray_port = ray_worker_port(netns, host, k["pid"])
+        own = [(a, p) for a, p in listeners(netns, host, k["pid"]) if p != ray_port]
+        assert own and all(a == k["node"] for a, _ in own), f"{k['store_id']} listens beyond {k['node']}: {own}"
+    decode_ip = netns.host("decode").ip
+    held = next(k for k in stores["stores"] if k["node"] == decode_ip)
+    wait_until(lambda: next(k for k in served.client("stores")["stores"] if k["node"] == decode_ip)
+               ["kv_index_blocks"] >= (len(first) + 39) // 16, 30, 0.2, "the decode host's store indexed")
+    second = first + answer + prompts[2]
+    assert served.generate([second], MAX_TOKENS) == hf_greedy(path, [second], MAX_TOKENS)
+    after = served.client("stores")
+    print(f"KV stores over {served.transport}: {[(k['store_id'], k['node']) for k in after['stores']]}; "
+          f"turn 1 offloaded into {held['store_id']} ({after['offloaded']} tokens in all); turn 2: "
+          f"{after['fetched']} prompt tokens fetched instead of computed")
+
+
 def test_nixl_used_ucx_tcp_not_shared_memory(served, tiny_model):
     prompts, _ = _prompts(tiny_model)
     served.generate(prompts[:2], 4)  # a transfer, whatever ran before

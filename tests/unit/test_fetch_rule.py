@@ -47,3 +47,17 @@ def test_costs_learn_from_what_they_observe():
     c.observe_fetch(10, DEFAULT_FETCH_OVERHEAD_S + 0.01)
     assert c.s_per_page == pytest.approx(1e-3)
     assert c.offer("s", 3) == Offer("s", 3, c.s_per_page)
+
+
+def test_each_source_kind_learns_its_own_fixed_cost():
+    """A worker's export waits for its engine's step, a store's does not: the rule sees it."""
+    c = FetchCosts("nixl")
+    c.observe_fetch(4, 4 * c.s_per_page + 0.05, "worker")   # 50 ms past the pages' own time
+    c.observe_fetch(4, 4 * c.s_per_page + 0.002, "store")
+    assert c.source_overhead_s["worker"] == pytest.approx(0.05) and c.source_overhead_s["store"] == pytest.approx(0.002)
+    worker, store = c.offer("decode-0", 10, "worker"), c.offer("kv-store-0", 9, "store")
+    assert (worker.overhead_s, store.overhead_s) == (pytest.approx(0.05), pytest.approx(0.002))
+    # 10 pages from the busy worker against 9 from the store: the store's page less costs 16 ms
+    # of compute, the worker's wait 48 ms more
+    assert choose(0, [store, worker], PS, 1e-3, DEFAULT_FETCH_OVERHEAD_S).holder == "kv-store-0"
+    assert choose(0, [c.offer("decode-0", 10)], PS, 1e-3, 0.5) is None, "no kind: the caller's fixed cost"

@@ -137,6 +137,21 @@ def test_prefix_aware_routes_by_the_exact_index_and_counts_fallbacks():
     assert make_policy("prefix-aware", 16).pick_prefill([a, b], [1, 2, 3]) is b  # no index: the LRU (the simulator)
 
 
+def test_prefix_aware_counts_what_a_fetch_would_save():
+    """A prefill worker with nothing cached but a cheap fetch ahead of it beats one holding one
+    page with a shorter queue; with no fetch to make, the queue decides again."""
+    index = KVIndex(16)
+    policy = make_policy("prefix-aware", 16, index)
+    a, b = WorkerView("a", "p", "prefill"), WorkerView("b", "p", "prefill")
+    index.apply("a", snap("ea", 0, [1]))
+    index.apply("b", snap("eb", 0, []))
+    a.inflight_tokens, b.inflight_tokens = 0, 10
+    assert policy.pick_prefill([a, b], [1, 2, 3, 4]) is a  # 16 cached tokens against 10 queued ones
+    assert policy.pick_prefill([a, b], [1, 2, 3, 4], {"b": 60.0, "a": 20.0}) is b  # 60 - 10 against 16 + 20
+    for other in (make_policy("least-loaded", 16), make_policy("round-robin", 16)):
+        other.pick_prefill([a, b], [1, 2], {"b": 1e9})  # they weigh no cache: accepted, ignored
+
+
 def test_placed_pages_count_until_the_worker_confirms_or_contradicts_them():
     index = KVIndex(16, expect_s=60)
     index.apply("a", snap("e", 0, []))

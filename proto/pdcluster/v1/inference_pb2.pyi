@@ -278,8 +278,32 @@ class WorkerStatus(_message.Message):
     kv_index_reason: str
     def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., transferring_requests: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., requests_placed: _Optional[int] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., tp_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_nodes: _Optional[_Iterable[str]] = ..., num_threads: _Optional[int] = ..., moving_to: _Optional[str] = ..., kv_index_state: _Optional[str] = ..., kv_index_blocks: _Optional[int] = ..., kv_index_reason: _Optional[str] = ...) -> None: ...
 
+class KVStoreStatus(_message.Message):
+    __slots__ = ("store_id", "node", "healthy", "error", "pid", "total_pages", "free_pages", "hit_rate", "kv_index_state", "kv_index_blocks")
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    node: str
+    healthy: bool
+    error: str
+    pid: int
+    total_pages: int
+    free_pages: int
+    hit_rate: float
+    kv_index_state: str
+    kv_index_blocks: int
+    def __init__(self, store_id: _Optional[str] = ..., node: _Optional[str] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., pid: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., hit_rate: _Optional[float] = ..., kv_index_state: _Optional[str] = ..., kv_index_blocks: _Optional[int] = ...) -> None: ...
+
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools", "kv_index_exact", "kv_index_blocks")
+    __slots__ = ("workers", "policy", "inflight_requests", "queued_requests", "max_inflight", "max_queue", "requests_served", "requests_failed", "pools", "kv_index_exact", "kv_index_blocks", "kv_stores", "kv_fetched_tokens", "kv_offloaded_tokens")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +315,9 @@ class ClusterStatusResponse(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_INDEX_EXACT_FIELD_NUMBER: _ClassVar[int]
     KV_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORES_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     policy: str
     inflight_requests: int
@@ -302,7 +329,10 @@ class ClusterStatusResponse(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     kv_index_exact: bool
     kv_index_blocks: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_index_exact: _Optional[bool] = ..., kv_index_blocks: _Optional[int] = ...) -> None: ...
+    kv_stores: _containers.RepeatedCompositeFieldContainer[KVStoreStatus]
+    kv_fetched_tokens: int
+    kv_offloaded_tokens: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests_served: _Optional[int] = ..., requests_failed: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_index_exact: _Optional[bool] = ..., kv_index_blocks: _Optional[int] = ..., kv_stores: _Optional[_Iterable[_Union[KVStoreStatus, _Mapping]]] = ..., kv_fetched_tokens: _Optional[int] = ..., kv_offloaded_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "messages")
