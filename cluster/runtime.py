@@ -134,6 +134,9 @@ class Cluster(PoolScaling):
         local = self.address is None
         deadline = time.monotonic() + timeout_s
         try:
+            from cluster.store_host import await_stores, launch_stores
+
+            self.stores = launch_stores(cfg, local, self._kv_secret)  # built while the workers load their models
             for pool in cfg.pools:
                 bundle = pool.resources.bundle() or {"CPU": 0.001}
                 n = pool.replicas + pool.spare_replicas  # hot spares: workers pool-<replicas>, ... (cluster.actors)
@@ -157,9 +160,7 @@ class Cluster(PoolScaling):
                     self.workers[-1].own_pg = True
                 self._pool_started(pool, n)
             self._await_ready(deadline)
-            from cluster.store_host import start_stores
-
-            self.stores = start_stores(cfg, local, self._kv_secret, max(deadline - time.monotonic(), 1))
+            await_stores(cfg, self.stores, max(deadline - time.monotonic(), 1))
             prefills = [(w.worker_id, w.pool, w.actor) for w in self.workers if w.role == "prefill"]
             decodes = [(w.worker_id, w.pool, w.role, w.actor) for w in self.workers if w.role != "prefill"]
             # the routers run on this node (where `pdcluster serve` runs: the head of a KubeRay

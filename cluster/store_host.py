@@ -63,8 +63,8 @@ def store_spec(cfg: ClusterConfig, local: bool, kv_secret: str) -> StoreSpec | N
     return StoreSpec(cfg.model, cfg.kv_store.size, cfg.hash_page_size, dtype, t.kind, t.deadline_s, local, kv_secret)
 
 
-def start_stores(cfg: ClusterConfig, local: bool, kv_secret: str, timeout_s: float) -> list[tuple[str, object]]:
-    """One store actor per alive node, each built and answering; [(store id, actor)]."""
+def launch_stores(cfg: ClusterConfig, local: bool, kv_secret: str) -> list[tuple[str, object]]:
+    """One store actor per alive node, launched (not waited for: `await_stores`); [(store id, actor)]."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -81,12 +81,17 @@ def start_stores(cfg: ClusterConfig, local: bool, kv_secret: str, timeout_s: flo
                     max_restarts=STORE_MAX_RESTARTS,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
         stores.append((sid, ray.remote(AsyncWorker).options(**opts).remote(spec, sid, True)))
-    refs = [a.ready.remote() for _, a in stores]
+    return stores
+
+
+def await_stores(cfg: ClusterConfig, stores: list[tuple[str, object]], timeout_s: float) -> None:
+    """Every store built and answering; RuntimeError (the stores killed) naming the size if not."""
+    import ray
+
     try:
-        ray.get(refs, timeout=timeout_s)
+        ray.get([a.ready.remote() for _, a in stores], timeout=timeout_s)
     except Exception as exc:
         for _, a in stores:
             ray.kill(a)
         raise RuntimeError(f"the KV stores could not start (kv_store.size {cfg.kv_store.size!r}): "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    return stores
