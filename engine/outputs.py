@@ -20,6 +20,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    fetch_s: float | None = None  # a prefix fetch: its pages' wait, from the plan to their arrival
 
     @property
     def ttft(self) -> float | None:

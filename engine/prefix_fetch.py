@@ -24,6 +24,7 @@ No torch here, and no transport: the connector does the moving.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.block_hash import page_hashes
@@ -50,6 +51,7 @@ class PrefixTransfers:
     def __init__(self, kv: KVCacheManager, scheduler: Scheduler) -> None:
         self.kv, self.scheduler = kv, scheduler
         self.fetching: dict[str, tuple[Request, int]] = {}  # request id -> (request, tokens it had cached)
+        self._fetch_t0: dict[str, float] = {}   # request id -> when its fetch was planned
         self.exports: dict[str, Request] = {}   # transfer id -> the export's record (its pinned pages)
         self.num_fetched_tokens = 0             # prefix tokens received (not computed here)
         self.num_failed_fetches = 0             # fetches that ended in a recompute
@@ -79,6 +81,7 @@ class PrefixTransfers:
             self.kv.free(req)
             raise
         self.fetching[req.request_id] = (req, start)
+        self._fetch_t0[req.request_id] = time.monotonic()
         self.scheduler.add_remote(req)
         return FetchPlan(start, n, where)
 
@@ -94,6 +97,7 @@ class PrefixTransfers:
     def forget(self, request_id: str) -> None:
         """The request ended (aborted): its receive ends with the scheduler's retire."""
         self.fetching.pop(request_id, None)
+        self._fetch_t0.pop(request_id, None)
 
     # ---- holder -----------------------------------------------------------------------------
     def export(self, connector: KVConnector, request_id: str, token_ids: list[int], start_token: int,
@@ -151,8 +155,11 @@ class PrefixTransfers:
         if entry is None or entry[0] is not req:
             return False
         del self.fetching[req.request_id]
+        t0 = self._fetch_t0.pop(req.request_id, None)
         if ev.kind == KVEventKind.PREFIX_RECEIVED:
             self.num_fetched_tokens += ev.num_tokens
+            if t0 is not None:
+                req.metrics.fetch_s = time.monotonic() - t0
             self.scheduler.prefix_received(req, entry[1] + ev.num_tokens)
         elif self.scheduler.kv_failed(req):  # FAILED: compute it all here
             self.num_failed_fetches += 1

@@ -39,6 +39,7 @@ class PrefillResult:
     error: str | None = None
     first_logprobs: TokenLogprobs | None = None
     first_text: str = ""  # what the decode side's detokenizer emits for the first token
+    fetch_s: float | None = None  # a prefix fetch's wait for its pages (None: none, or it failed)
 
     @property
     def finished(self) -> bool:

@@ -132,7 +132,8 @@ class PrefillWorker:
         return PrefillResult(out.request_id, first, len(out.prompt_token_ids),
                              out.num_cached_tokens, ttft_s=out.metrics.ttft if out.metrics else None, ok=ok,
                              error=error, first_logprobs=out.logprobs[0] if out.logprobs else None,
-                             first_text=self._first_text(out.prompt_token_ids, first, stops) if ok else "")
+                             first_text=self._first_text(out.prompt_token_ids, first, stops) if ok else "",
+                             fetch_s=out.metrics.fetch_s if out.metrics else None)
 
     def _first_text(self, prompt: list[int], token: int | None, stop: list[str]) -> str:
         """The text the decode side's detokenizer emits for the first token (the same

@@ -58,7 +58,9 @@ Where it lives: this module places and streams requests (the above, `Dispatcher`
 and health tracking (load refresh, unresponsive workers, spares, rejoining) are
 router/worker_health.py's `WorkerHealth`, and membership (the start-up warm-up, adding,
 retiring and removing workers at run time, the cleanup of cancels) router/membership.py's
-`Membership`: mixins `Dispatcher` inherits, working on the state its `__init__` sets.
+`Membership`, and the KV cache beyond one worker (fetch plans, fetches, offloads into the
+nodes' stores) router/kv_fetch.py's `KVFetch`: mixins `Dispatcher` inherits, working on the
+state its `__init__` sets.
 """
 from __future__ import annotations
 
@@ -73,13 +75,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_worker.types import DecodeStage
-from engine.block_hash import page_hashes
 from engine.outputs import RemotePrefix, Resume
 from engine.sampling_params import SamplingParams
 from prefill_worker.types import PrefillResult, PrefillTask
 from router.frontend import PreparedRequest, RequestError
-from router.fetch_rule import FetchCosts, best_offer
+from router.fetch_rule import FetchCosts
 from router.handles import WorkerHandle
+from router.kv_fetch import KVFetch, capacity as _capacity
 from router.kv_index import KVIndex, KVIndexSync
 from router.kv_tier import KVTier
 from router.membership import Membership
@@ -146,7 +148,7 @@ class _DecodeLost(Exception):
         self.worker_id, self.cause = worker_id, cause
 
 
-class Dispatcher(WorkerHealth, Membership):
+class Dispatcher(WorkerHealth, Membership, KVFetch):
     def __init__(self, prefills: Sequence[WorkerHandle], decodes: Sequence[WorkerHandle], policy: PlacementPolicy,
                  *, max_prefill_attempts: int = 2, worker_timeout_s: float = 10.0, migration_limit: int = 2,
                  migration_wait_s: float = 60.0, spares: Sequence[str] = (), kv_index: KVIndex | None = None,
@@ -340,102 +342,6 @@ class Dispatcher(WorkerHealth, Membership):
             if not live.done:
                 self._abort_later(live)
 
-    def _fetch_plans(self, candidates: Sequence[WorkerView], req: PreparedRequest) -> dict[str, tuple]:
-        """For each candidate prefill worker, the fetch worth making instead of computing the
-        prompt's leading pages there: {worker id: (Offer, gain in seconds)}; a candidate with
-        none is absent. Offers come from the nodes' KV stores and the serving workers, by the
-        exact KV index; router/fetch_rule.py weighs each against computing its pages
-        (`fetch_min_pages`: the fewest extra pages worth a fetch; 0: never fetch). Colocated
-        workers have no connector: neither side."""
-        index = self.kv_index
-        if index is None or not self.fetch_min_pages:
-            return {}
-        costs = self.fetch_costs
-        # the last prompt token is always computed where the prompt is prefilled
-        hashes = req.block_hashes[:(len(req.prompt_token_ids) - 1) // index.page_size]
-        held = self.tier.offers(hashes) if self.tier is not None else []
-        for wid, view in self.views.items():
-            if view.role != "colocated" and view.state == "serving" and index.exact(wid):
-                n = index.matched_pages(wid, hashes)
-                if n:
-                    held.append(costs.offer(wid, n, "worker"))
-        if not held:
-            return {}
-        plans = {}
-        for v in candidates:
-            if not index.exact(v.worker_id):
-                continue
-            best, gain = best_offer(index.matched_pages(v.worker_id, hashes),
-                                    [o for o in held if o.holder != v.worker_id], index.page_size,
-                                    costs.prefill_s_per_token, costs.overhead_s, self.fetch_min_pages)
-            if best is not None:
-                plans[v.worker_id] = (best, gain)
-        return plans
-
-    def _local_fetch(self, dview: WorkerView, req: PreparedRequest) -> tuple | None:
-        """(Offer, gain) when the decode worker should prefill this prompt itself after fetching
-        its cached leading pages from elsewhere: it prefills locally what is short of its
-        `local_prefill_threshold`, and with the fetch the uncached rest would be."""
-        threshold = dview.load.local_prefill_threshold if dview.load is not None else 0
-        if not threshold or dview.role != "decode" or self.kv_index is None:
-            return None
-        plan = self._fetch_plans([dview], req).get(dview.worker_id)
-        if plan is None or len(req.prompt_token_ids) - plan[0].pages * self.kv_index.page_size >= threshold:
-            return None
-        return plan
-
-    async def _fetch(self, requester: WorkerHandle, holder_id: str, fetch, prompt: list[int]) -> int:
-        """Have `holder_id` send the prefix `fetch` asks for into the requester's pages; when it
-        sends nothing (its pages evicted meanwhile, lost, an error), the requester computes the
-        whole prompt instead. Returns the prompt tokens fetched (the client sees no difference)."""
-        holder = self.handles.get(holder_id) or (self.tier.handle(holder_id) if self.tier is not None else None)
-        sent, why = 0, "the holder left placement"
-        t0 = time.monotonic()
-        if holder is not None:
-            try:
-                exp = await asyncio.wait_for(holder.export_prefix(fetch, prompt), self.fetch_timeout_s)
-                sent, why = exp.num_tokens, exp.error or "its cache no longer holds the pages"
-            except Exception as exc:  # lost, fenced, timed out: recompute
-                why = f"{type(exc).__name__}: {_first_line(exc)}"
-        if sent > 0:
-            self.fetch_counts["fetched"] += 1
-            self.fetched_tokens += sent
-            self.fetched_by_source["worker" if holder_id in self.handles else "store"] += sent
-            size = self.kv_index.page_size if self.kv_index is not None else 0
-            if size:  # (the send goes on after the answer: this times the holder's side of it)
-                self.fetch_costs.observe_fetch(sent // size, time.monotonic() - t0,
-                                               "worker" if holder_id in self.handles else "store")
-            return sent
-        self.fetch_counts["recomputed"] += 1
-        log.info("prefix fetch of %s from %s: nothing sent (%s); computing the prompt instead", fetch.request_id,
-                 holder_id, why)
-        try:
-            await requester.abandon_fetch(fetch.request_id)
-        except Exception as exc:  # the requester is gone: its result says so
-            log.warning("abandon_fetch of %s on %s: %s", fetch.request_id, requester.worker_id, _first_line(exc))
-        return 0
-
-    def _offload(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
-        """The decode worker holds the full pages of prompt + answer: its node's KV store takes a
-        copy of those it lacks, in the background (router/kv_tier.py)."""
-        view = self.views.get(live.decode.worker_id)
-        size = self.kv_index.page_size if self.kv_index is not None else 0
-        if self.tier is None or view is None or view.role != "decode" or not size or len(output) < 2:
-            return
-        tokens = list(req.prompt_token_ids) + list(output[:-1])
-        self.tier.offload(live.decode, view.node, live.worker_rid, tokens, size)
-
-    def _expect_conversation(self, live: _Live, req: PreparedRequest, output: Sequence[int]) -> None:
-        """The decode worker now caches the full pages of prompt + answer (all but the last
-        token, whose KV is never computed): the next turn of a conversation, whose prompt starts
-        with them, may arrive before the worker's KV events say so."""
-        view = self.views.get(live.decode.worker_id)
-        size = getattr(self.policy, "page_size", 0)
-        if view is None or not size or len(output) < 2:
-            return
-        tokens = list(req.prompt_token_ids) + list(output[:-1])
-        self.policy.remember(view, page_hashes(tokens, size, req.block_hashes), _capacity(view))
-
     @staticmethod
     async def _decode_stream(live: _Live) -> AsyncIterator:
         """The decode worker's outputs; a worker lost mid-stream (its process, actor or engine
@@ -548,6 +454,9 @@ class Dispatcher(WorkerHealth, Membership):
                     if not stats.fetched_tokens:  # (a fetch's wait is not prefill time)
                         self.fetch_costs.observe_prefill(len(prompt) - result.num_cached_tokens,
                                                          stats.first_token - stats.prefill_start)
+                    elif result.fetch_s and self.kv_index is not None:  # the pages' whole wait, as the worker saw it
+                        self.fetch_costs.observe_fetch(stats.fetched_tokens // self.kv_index.page_size, result.fetch_s,
+                                                       "worker" if source[0] in self.handles else "store")
                 live.first_token = result.first_token
                 live.first_logprobs = result.first_logprobs
                 live.first_text = result.first_text if resume is None else ""  # resumed: its context differs
@@ -588,7 +497,3 @@ def _logprobs(req: PreparedRequest, lps: list | None) -> list | None:
         raise RequestError("a worker returned no logprobs for a request that asked for them",
                            grpc.StatusCode.INTERNAL)
     return lps
-
-
-def _capacity(view: WorkerView) -> int:
-    return max(view.load.total_pages if view.load is not None else 0, 1024)

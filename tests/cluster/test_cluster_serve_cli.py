@@ -37,6 +37,8 @@ def test_serve_generate_status_sigterm(tmp_path, tiny_model):
         assert len(ids_line) == 1 and len(ids_line[0][5:].strip("[]").split(",")) == 5, gen.stdout
         st = subprocess.run(exe + ["status", "--address", addr], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0 and "prefill-0" in st.stdout and "decode-0" in st.stdout, st.stdout
+        # `serve` starts the node's KV store by default, and status shows it
+        assert "KV store kv-store-0 on 127.0.0.1: ok" in st.stdout, st.stdout
         import grpc
 
         from proto.pdcluster.v1 import inference_pb2 as pb

@@ -116,11 +116,12 @@ def test_next_turn_fetches_from_the_store(parts, turns):
     assert r.exports["y"].num_tokens == k * PAGE and r.cached["y"] == k * PAGE
     assert p.core.num_computed_prompt_tokens - before == len(y) - k * PAGE
     assert s.stats()["exported_tokens"] == k * PAGE and s.load().prefix_cache_hit_rate == 1.0
+    assert r.fetch_s["y"] > 0, "the prefill worker reports its wait for the fetched pages (the router learns from it)"
 
     p.core.reset_prefix_cache()  # the tier off: the same tokens
     r.disaggregated("y-off", y)
     r.run()
-    assert r.tokens["y-off"] == want and r.cached["y-off"] == 0
+    assert r.tokens["y-off"] == want and r.cached["y-off"] == 0 and r.fetch_s["y-off"] is None
 
 
 def test_offload_sends_only_what_the_store_lacks(parts, turns):

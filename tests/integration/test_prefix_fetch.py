@@ -89,6 +89,7 @@ class Router:
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, tuple[str, str | None]] = {}
         self.cached: dict[str, int] = {}  # prompt tokens not computed by whoever prefilled
+        self.fetch_s: dict[str, float | None] = {}  # a prefill's wait for its fetched pages (PrefillResult)
         self.exports: dict = {}
 
     def disaggregated(self, rid: str, prompt: list[int], fetch_pages: int = 0, holder=None) -> None:
@@ -117,6 +118,7 @@ class Router:
     def step(self) -> None:
         for r in self.prefill.step() if self.prefill is not None else []:
             self.cached[r.request_id] = r.num_cached_tokens
+            self.fetch_s[r.request_id] = r.fetch_s
             if not r.ok:
                 self.finished[r.request_id] = ("error", r.error)
         for out in self.decode.step():

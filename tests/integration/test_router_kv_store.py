@@ -107,6 +107,8 @@ def test_turn_2_fetches_from_the_store(cluster, make_llm):
     assert disp.fetch_counts == {"fetched": 1, "recomputed": 0}, disp.fetch_counts
     assert disp.fetched_tokens == held * PAGE and last.usage.cached_prompt_tokens == held * PAGE
     assert disp.tier.offloads["stored"] >= 1 and store.stats()["exported_tokens"] == held * PAGE
+    # what the fetch cost, as the prefill worker waited for it, is what the router learns from
+    assert disp.fetch_costs.fetches_seen == 1 and disp.fetch_costs._source_seen == {"store": 1, "worker": 0}
     wait_until(lambda: index.blocks("kv-store-0") == set(store.kv.pool.cached_hashes()), what="index exact")
     st = stub(server).ClusterStatus(pb.ClusterStatusRequest())
     (k,) = st.kv_stores
