@@ -12,11 +12,21 @@ tokens, run on one real local cluster per (arm, policy), one after the other:
   policies  prefix-aware   the router places by cached prefix (its KV index)
             round-robin    cache-aware routing off: the baseline
 
+  store     the disaggregated arm once per `--kv-store-size` (default: the config's, auto),
+            labelled `disaggregated store=SIZE` (0: the tier off); colocated workers have no KV
+            connector, hence no store: that arm runs once (bench/multiturn_tier.py)
+
+`--num-pages` sizes every worker's KV cache (engine.num_pages), small enough that the workers
+evict history and the store has something to serve; `--fetch-min-pages` defaults to the
+config's (1: prefill workers fetch cached leading pages from a store or a peer when it pays).
+
 Per arm, policy and turn it reports TTFT p50/p90 and the prefix hit rate: the router's
 `usage.cached_prompt_tokens` (the prompt tokens that the worker which prefilled the request found
-in its cache) over the prompt tokens, beside the share a perfect cache would hit (the history).
-The ratios: later turns' (2..T) TTFT disaggregated / colocated under each policy (issue 37's
-target: <= 1.5x with prefix-aware), and round-robin / prefix-aware per arm.
+in its cache, fetched ones included) over the prompt tokens, beside the share a perfect cache
+would hit (the history); per arm, what router 0's /metrics says the tier did during the rounds
+(tokens fetched by source, offloads, store hit rate). The ratios: later turns' (2..T) TTFT
+disaggregated / colocated under each policy and store size (issue 37's target: <= 1.5x with
+prefix-aware), tier on / tier off per store size, and round-robin / prefix-aware per arm.
 
 Benchmarks are not tests: on a shared machine only ratios within one run mean much.
 """
@@ -31,6 +41,9 @@ import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from bench import multiturn_tier as tier
+from bench.multiturn_tier import parse_store_sizes
 
 ARMS = ("colocated", "disaggregated")
 POLICIES = ("prefix-aware", "round-robin")
@@ -51,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None, help="synthetic: turn 1's prompt (default 24)")
     p.add_argument("--answer-tokens", type=int, default=None, help="synthetic: every answer's length (default 200)")
     p.add_argument("--user-tokens", type=int, default=None, help="synthetic: new tokens of turns 2.. (default 24)")
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="synthetic: pause between an answer's end and the conversation's next turn (a user "
+                        "reading; default 0: at once). Offloads into the KV store run after a request ends, so "
+                        "with 0 the store's copy of the last answer is rarely there when the next turn is placed")
     p.add_argument("--rounds", type=int, default=None,
                    help="the conversations again, with fresh tokens, after the previous round finished: more "
                         "samples per turn (default 3)")
@@ -68,10 +85,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated arm (default 2)")
     p.add_argument("--transport", default="nixl", choices=("nixl", "grpc"))
-    p.add_argument("--fetch-min-pages", type=int, default=0,
+    p.add_argument("--kv-store-size", default="auto",
+                   help="comma list of kv_store.size values (auto, 0 = off, 16MiB, ...): the disaggregated arm runs "
+                        "once per size (default: auto, the config's default)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV cache pages of every worker (engine.num_pages), to put the caches under pressure so "
+                        "that they evict history; default: the config's (large: nothing is evicted)")
+    p.add_argument("--fetch-min-pages", type=int, default=None,
                    help="the disaggregated arm's router.fetch_min_pages: its prefill worker fetches a turn's cached "
-                        "leading pages from the worker holding at least this many more (the decode worker, for the "
-                        "last answer) instead of computing them; 0 (default): never")
+                        "leading pages from a node's KV store or the worker holding at least this many more of them "
+                        "when moving them is estimated faster than computing them; 0: never; default: the config's "
+                        "(1)")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="the disaggregated arm's decode pool prefills a prompt whose uncached part there is under "
                         "this many tokens itself (engine.local_prefill_threshold); default: the config's (0, never)")
@@ -102,7 +126,12 @@ def _settle(args: argparse.Namespace) -> None:
     for key in ("window_s", "time_scale"):
         if not getattr(args, key) > 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be > 0, got {getattr(args, key)}")
-    if args.fetch_min_pages < 0:
+    args.store_sizes = parse_store_sizes(args.kv_store_size)
+    if args.think_ms < 0:
+        raise SystemExit(f"--think-ms must be >= 0, got {args.think_ms}")
+    if args.num_pages is not None and args.num_pages < 1:
+        raise SystemExit(f"--num-pages must be >= 1, got {args.num_pages}")
+    if args.fetch_min_pages is not None and args.fetch_min_pages < 0:
         raise SystemExit(f"--fetch-min-pages must be >= 0, got {args.fetch_min_pages}")
     if args.local_prefill_threshold is not None and args.local_prefill_threshold < 0:
         raise SystemExit(f"--local-prefill-threshold must be >= 0, got {args.local_prefill_threshold}")
@@ -119,21 +148,29 @@ def _trace_path(trace: str) -> Path:
     return path
 
 
-def _config(arm: str, policy: str, args: argparse.Namespace):
+def _config(arm: str, policy: str, args: argparse.Namespace, store: str | None = None):
+    """The arm's cluster: router 0 serves /metrics (a free port); `store`: the disaggregated
+    arm's kv_store.size (None: the config's)."""
     from cluster.config import ClusterConfig
 
     engine = {"dtype": args.dtype}
+    if args.num_pages is not None:
+        engine["num_pages"] = args.num_pages
+    router = {"metrics_port": 0}
     if arm == "disaggregated":
         if args.local_prefill_threshold is not None:  # a decode pool's setting: the prefill pool ignores it
             engine["local_prefill_threshold"] = args.local_prefill_threshold
+        if args.fetch_min_pages is not None:
+            router["fetch_min_pages"] = args.fetch_min_pages
         cfg = ClusterConfig.embedded(model=args.model, prefill=1, decode=1, transport=args.transport, port=0,
                                      policy=policy, engine=engine)
-        if args.fetch_min_pages:
-            cfg = cfg.model_copy(update={"router": cfg.router.model_copy(
-                update={"fetch_min_pages": args.fetch_min_pages})})
-        return cfg
-    return ClusterConfig.embedded(model=args.model, decode=args.colocated_workers, mode="colocated",
-                                  transport=args.transport, port=0, policy=policy, engine=engine)
+    else:
+        cfg = ClusterConfig.embedded(model=args.model, decode=args.colocated_workers, mode="colocated",
+                                     transport=args.transport, port=0, policy=policy, engine=engine)
+    update = {"router": cfg.router.model_copy(update=router)}
+    if store is not None:
+        update["kv_store"] = cfg.kv_store.model_copy(update={"size": store})
+    return ClusterConfig.model_validate(cfg.model_copy(update=update).model_dump())
 
 
 def _model_info(address: str):
@@ -154,7 +191,7 @@ def _play(args: argparse.Namespace, address: str, vocab_size: int, max_model_len
         if need > max_model_len:
             raise SystemExit(f"a conversation needs {need} positions, the model has {max_model_len}: fewer "
                              f"--turns or shorter --answer-tokens/--user-tokens")
-        return asyncio.run(conv.run_chats(address, chats, run_tag=f"mt{round_}"))
+        return asyncio.run(conv.run_chats(address, chats, run_tag=f"mt{round_}", think_s=args.think_ms / 1e3))
     return asyncio.run(conv.run_trace(address, _replay(args, vocab_size, max_model_len, seed), run_tag=f"mt{round_}"))
 
 
@@ -177,26 +214,34 @@ def _warm_up(address: str, vocab_size: int) -> None:
     asyncio.run(conv.run_chats(address, chats, run_tag="warmup"))
 
 
-def _measure(args: argparse.Namespace, arm: str, policy: str) -> dict:
+def _measure(args: argparse.Namespace, arm: str, policy: str, store: str | None = None) -> dict:
     from cluster.runtime import Cluster
 
-    cluster = Cluster(_config(arm, policy, args))
+    name = f"[{tier.label(arm, store)} {policy}]"
+    cluster = Cluster(_config(arm, policy, args, store))
     t_start = time.time()
     address = cluster.start()
     try:
         info = _model_info(address)
-        print(f"[{arm} {policy}] serving on {address} (started in {time.time() - t_start:.0f} s)", flush=True)
+        print(f"{name} serving on {address} (started in {time.time() - t_start:.0f} s)", flush=True)
         _warm_up(address, info.vocab_size)
-        turns = []
-        for r in range(args.rounds):
-            t0 = time.time()
-            for t in _play(args, address, info.vocab_size, info.max_model_len, r):
-                turns.append(dict(round=r, conversation=t.conversation, turn=t.turn,
-                                  reusable_tokens=t.reusable_tokens, **asdict(t.record)))
-            print(f"[{arm} {policy}] round {r + 1}/{args.rounds}: {time.time() - t0:.1f} s", flush=True)
+
+        def rounds() -> list[dict]:
+            turns = []
+            for r in range(args.rounds):
+                t0 = time.time()
+                for t in _play(args, address, info.vocab_size, info.max_model_len, r):
+                    turns.append(dict(round=r, conversation=t.conversation, turn=t.turn,
+                                      reusable_tokens=t.reusable_tokens, **asdict(t.record)))
+                print(f"{name} round {r + 1}/{args.rounds}: {time.time() - t0:.1f} s", flush=True)
+            return turns
+
+        turns, figures = tier.measured(cluster.metrics_url, rounds)
     finally:
         cluster.stop()
-    entry = {"arm": arm, "policy": policy, "turns": turns}
+    entry = {"arm": arm, "policy": policy, "label": tier.label(arm, store), "turns": turns, "tier": figures}
+    if arm == "disaggregated":
+        entry["store"] = store if store is not None else "auto"
     entry["per_turn"] = per_turn(turns, TRACE_TURN_ROWS if args.workload == "mooncake" else None)
     entry["later_turns"] = summarize_turns([t for t in turns if t["turn"] >= 2])
     _print_entry(entry)
@@ -231,9 +276,11 @@ def per_turn(turns: list[dict], fold_from: int | None = None) -> dict[str, dict]
 
 def ratios(entries: list[dict]) -> dict:
     """Disaggregated / colocated per policy (later turns and per turn), and round-robin /
-    prefix-aware per arm, from entries of the same run."""
-    def get(arm, policy):
-        return next((e for e in entries if e["arm"] == arm and e["policy"] == policy), None)
+    prefix-aware per arm, from entries of the same run; with store sizes (entries with a
+    "store"), per size and tier on / off too (bench/multiturn_tier.py)."""
+    def get(arm, policy, label=None):
+        return next((e for e in entries if e["arm"] == arm and e["policy"] == policy
+                     and (e.get("label", arm) == label if label else "store" not in e)), None)
 
     def div(a, b):
         return a / b if a is not None and b else None
@@ -247,10 +294,11 @@ def ratios(entries: list[dict]) -> dict:
                 "later_turns_ttft_p90": div(d["later_turns"]["ttft_p90_ms"], c["later_turns"]["ttft_p90_ms"]),
                 "per_turn_ttft_p50": {k: div(v["ttft_p50_ms"], c["per_turn"].get(k, {}).get("ttft_p50_ms"))
                                       for k, v in d["per_turn"].items()}}
-    for arm in ARMS:
-        rr, pa = get(arm, "round-robin"), get(arm, "prefix-aware")
+    out.update(tier.ratios(entries, POLICIES, TTFT_RATIO_TARGET))
+    for arm, name in dict.fromkeys((e["arm"], e.get("label", e["arm"])) for e in entries):
+        rr, pa = get(arm, "round-robin", name), get(arm, "prefix-aware", name)
         if rr and pa:
-            out[f"round_robin_over_prefix_aware[{arm}]"] = {
+            out[f"round_robin_over_prefix_aware[{name}]"] = {
                 "later_turns_ttft_p50": div(rr["later_turns"]["ttft_p50_ms"], pa["later_turns"]["ttft_p50_ms"]),
                 "later_turns_hit_rate": div(rr["later_turns"]["hit_rate"], pa["later_turns"]["hit_rate"])}
     main = out.get("disagg_over_colocated[prefix-aware]")
@@ -272,7 +320,7 @@ def table(entries: list[dict]) -> str:
              "failed"]]
     for e in entries:
         for k, s in list(e["per_turn"].items()) + [("2..", e["later_turns"])]:
-            rows.append([e["arm"], e["policy"], k, str(s["n"]), _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]),
+            rows.append([e.get("label", e["arm"]), e["policy"], k, str(s["n"]), _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]),
                          _pct(s["hit_rate"]), _pct(s["reusable_rate"]), _pct(s["local_prefill_share"]), str(s["failed"])])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -280,12 +328,12 @@ def table(entries: list[dict]) -> str:
 
 
 def _print_entry(e: dict) -> None:
-    s = e["later_turns"]
-    print(f"[{e['arm']} {e['policy']}] turns 2..: TTFT p50 {_ms(s['ttft_p50_ms'])} ms p90 {_ms(s['ttft_p90_ms'])} ms, "
+    s, name = e["later_turns"], f"[{e.get('label', e['arm'])} {e['policy']}]"
+    print(f"{name} turns 2..: TTFT p50 {_ms(s['ttft_p50_ms'])} ms p90 {_ms(s['ttft_p90_ms'])} ms, "
           f"hit rate {_pct(s['hit_rate'])} (perfect cache {_pct(s['reusable_rate'])}), failed {s['failed']}", flush=True)
     for t in e["turns"]:
         if not t["ok"]:
-            print(f"[{e['arm']} {e['policy']}] conversation {t['conversation']} turn {t['turn']}: {t['error']} "
+            print(f"{name} conversation {t['conversation']} turn {t['turn']}: {t['error']} "
                   f"{t['error_detail']}", flush=True)
 
 
@@ -322,12 +370,16 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     entries = []
     # policies outside, arms inside: the two arms of the headline ratio run back to back
+    # (the colocated arm has no store: once; the disaggregated arm once per store size)
     for policy in policies:
         for arm in arms:
-            entries.append(_measure(args, arm, policy))
+            for store in (args.store_sizes if arm == "disaggregated" else [None]):
+                entries.append(_measure(args, arm, policy, store))
     out.update(wall_s=time.time() - t_start, load_average_end=os.getloadavg(), ratios=ratios(entries), runs=entries)
     print(table(entries))
+    print(tier.table(entries))
     print(json.dumps(out["ratios"], indent=1))
+    print("\n".join(tier.summary_lines(out["ratios"], TTFT_RATIO_TARGET)), flush=True)
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     failed = sum(e["later_turns"]["failed"] + e["per_turn"].get("1", {}).get("failed", 0) for e in entries)
     return 1 if failed else 0

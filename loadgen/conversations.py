@@ -153,14 +153,17 @@ def mooncake_conversations(path: str | Path, *, vocab_size: int, max_model_len: 
 
 
 async def run_chats(address: str, chats: list[Chat], *, timeout_s: float = 600.0, run_tag: str = "chat",
-                    auth: ClientAuth | None = None) -> list[TurnRecord]:
-    """Every chat at once, each closed-loop: a turn is sent when the previous answer has finished.
-    A failed turn ends its chat (its record carries the error)."""
+                    auth: ClientAuth | None = None, think_s: float = 0.0) -> list[TurnRecord]:
+    """Every chat at once, each closed-loop: a turn is sent `think_s` after the previous answer
+    has finished (a user reading it; 0: at once). A failed turn ends its chat (its record carries
+    the error)."""
     out: list[TurnRecord] = []
 
     async def one(stub: pb_grpc.InferenceStub, chat: Chat) -> None:
         history: list[int] = []
         for t, new in enumerate(chat.new_tokens, 1):
+            if t > 1 and think_s > 0:
+                await asyncio.sleep(think_s)
             prompt = history + new
             req = WorkloadRequest(t, time.perf_counter() - t0, len(prompt), chat.answer_tokens, prompt_token_ids=prompt)
             answer: list[int] = []
